@@ -1,0 +1,117 @@
+"""Settings: one model, nested per area, read from ``KERNELHUB_*`` variables on demand.
+
+Nothing here runs at import: call :func:`load_settings` (the CLI and app factories do)
+and pass the result down.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kernelhub import KERNEL_PROTOCOL_VERSION
+from kernelhub.errors import ConfigError
+
+MiB = 1024 * 1024
+
+
+class Limits(BaseModel):
+    """Per-session resource limits. Every field has a safe default; all are enforced."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    memory_bytes: int = Field(512 * MiB, ge=32 * MiB, description="memory limit, no extra swap")
+    cpus: float = Field(1.0, gt=0, le=64, description="CPU quota in cores")
+    pids: int = Field(256, ge=16, description="maximum processes and threads")
+    workspace_bytes: int = Field(256 * MiB, ge=MiB, description="size of /workspace")
+    tmp_bytes: int = Field(128 * MiB, ge=MiB, description="size of /tmp")
+    cell_timeout: float | None = Field(
+        300.0, gt=0, description="seconds a cell may run; None means no limit"
+    )
+    output_bytes: int = Field(10 * MiB, ge=1024, description="output kept per cell")
+
+
+class DockerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    image: str = f"kernelhub/kernel:p{KERNEL_PROTOCOL_VERSION}"
+    runtime: str = Field("runc", description="OCI runtime: runc, or runsc for gVisor")
+    base_url: str | None = Field(None, description="Docker Engine address; None = environment")
+
+
+class LocalSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    unisolated: bool = Field(
+        False,
+        description="run kernels as plain host processes when bubblewrap is missing (unsafe)",
+    )
+
+
+class EngineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    start_timeout: float = Field(60.0, gt=0, description="seconds for a kernel to come up")
+    interrupt_grace: float = Field(3.0, gt=0, description="seconds an interrupt may take")
+    restart_grace: float = Field(20.0, gt=0, description="seconds a kernel restart may take")
+
+
+class Settings(BaseSettings):
+    """Everything kernelhub can be told. Variables: ``KERNELHUB_<FIELD>``, nested with ``__``
+    (``KERNELHUB_LIMITS__CELL_TIMEOUT=60``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KERNELHUB_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    backend: Literal["auto", "docker", "local"] = "auto"
+    data_dir: Path = Field(default_factory=lambda: _default_data_dir())
+    run_dir: Path = Field(
+        default_factory=lambda: _default_run_dir(),
+        description="where per-session socket directories live (unix socket paths are short)",
+    )
+    limits: Limits = Field(default_factory=Limits)
+    docker: DockerSettings = Field(default_factory=DockerSettings)
+    local: LocalSettings = Field(default_factory=LocalSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @field_validator("run_dir")
+    @classmethod
+    def _short_enough(cls, value: Path) -> Path:
+        # "<run_dir>/<12-hex session>/ipc/k-NNNNN" must fit in sun_path (108 bytes).
+        if len(str(value)) > 70:
+            raise ValueError(
+                f"run_dir {str(value)!r} is too long for unix socket paths; "
+                "use a short path such as /run/kernelhub"
+            )
+        return value
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "kernelhub"
+
+
+def _default_run_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/kernelhub")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "kernelhub" if runtime else Path(f"/tmp/kernelhub-{os.getuid()}")
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build settings from the environment plus explicit overrides, failing closed."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"KERNELHUB_{'__'.join(str(p).upper() for p in err['loc'])}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(
+            f"invalid settings: {problems} (example: KERNELHUB_LIMITS__CELL_TIMEOUT=60)"
+        ) from exc

@@ -1,0 +1,661 @@
+"""The execution engine: one kernel in one sandbox, cells run one at a time, typed events out.
+
+``KernelSession`` owns its sandbox, its kernel client, and three tasks: the channel pump
+(kernel messages → events), the worker (runs queued cells in order), and the death watch
+(the sandbox reports the kernel gone → the running cell ends as ``kernel_died``).
+
+Timeouts escalate: SIGINT → ``interrupt_grace`` → restart the kernel (variables lost,
+files kept) → ``restart_grace`` → kill the sandbox. The final record says which step ended
+the cell and whether state was lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import zmq
+
+from kernelhub.config import EngineSettings, Limits
+from kernelhub.errors import (
+    KernelDiedError,
+    KernelError,
+    KernelhubError,
+    SandboxStartError,
+    SessionClosedError,
+)
+from kernelhub.execution.collector import OutputCollector
+from kernelhub.kernel.client import SandboxKernelClient, connect_client, disconnect_client
+from kernelhub.kernel.connection import PORTS, SOCKET_PREFIX
+from kernelhub.models import (
+    EndedBy,
+    Event,
+    Execution,
+    ExecutionRecord,
+    ExecutionStatus,
+    FinalEvent,
+    NoticeEvent,
+    StatusEvent,
+    StreamEvent,
+)
+from kernelhub.sandbox.base import ExitInfo, Sandbox, SandboxBackend, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[Event], None]
+_UNSET: Any = object()
+_POLL_INTERVAL = 0.005
+_RECENT_EXECUTIONS = 64  # finished cells whose late thread output we still attribute
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class ExecutionHandle:
+    """A submitted cell. Iterate it for its events (from the first, then live); ``wait()``
+    for the finished :class:`Execution`. Consumers may stop iterating at any time: the cell
+    keeps running and its events keep being recorded."""
+
+    def __init__(self, execution_id: str, code: str, timeout: float | None) -> None:
+        self.id = execution_id
+        self.code = code
+        self.timeout = timeout
+        self.status = ExecutionStatus.QUEUED
+        self.queued_at = _now()
+        self.started_at: datetime | None = None
+        self.events: list[Event] = []
+        self.record: ExecutionRecord | None = None
+        self.interrupt_requested = False
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def _emit(self, event: Event) -> None:
+        self.events.append(event)
+        if isinstance(event, StatusEvent):
+            self.status = event.status
+        elif isinstance(event, FinalEvent):
+            self.record = event.record
+            self.status = event.record.status
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _changed(self) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        await fut
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        i = 0
+        while True:
+            while i < len(self.events):
+                event = self.events[i]
+                i += 1
+                yield event
+                if isinstance(event, FinalEvent):
+                    return
+            await self._changed()
+
+    async def wait(self) -> Execution:
+        while self.record is None:
+            await self._changed()
+        return Execution(record=self.record, events=list(self.events))
+
+
+class KernelSession:
+    """One stateful kernel. Create with :meth:`start`; always :meth:`close`."""
+
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        *,
+        limits: Limits,
+        engine: EngineSettings,
+    ) -> None:
+        self.sandbox = sandbox
+        self.limits = limits
+        self.engine = engine
+        self.id = sandbox.spec.session_id
+        self._client: SandboxKernelClient | None = None
+        self._seq = 0
+        self._listeners: list[Listener] = []
+        self._queue: asyncio.Queue[ExecutionHandle] = asyncio.Queue()
+        self._handles: dict[str, ExecutionHandle] = {}
+        self._collectors: OrderedDict[str, tuple[OutputCollector, ExecutionHandle]] = OrderedDict()
+        self._active: tuple[OutputCollector, ExecutionHandle, asyncio.Future[None]] | None = None
+        self._pumps: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._exit: ExitInfo | None = None
+        self._closed = False
+        self.kernel_info: dict[str, Any] = {}
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    @classmethod
+    async def start(
+        cls,
+        backend: SandboxBackend,
+        spec: SandboxSpec,
+        *,
+        engine: EngineSettings | None = None,
+    ) -> KernelSession:
+        """Create and start a sandbox, wait for its kernel, and return a ready session."""
+        sandbox = await backend.create(spec)
+        session = cls(sandbox, limits=spec.limits, engine=engine or EngineSettings())
+        try:
+            await sandbox.start()
+            await session._connect(timeout=session.engine.start_timeout, starting=True)
+        except BaseException:
+            await session.close()
+            raise
+        session._tasks = [
+            asyncio.create_task(session._worker(), name=f"kernelhub-worker-{spec.session_id}"),
+            asyncio.create_task(session._watch_death(), name=f"kernelhub-death-{spec.session_id}"),
+        ]
+        return session
+
+    @property
+    def alive(self) -> bool:
+        return self._exit is None and not self._closed
+
+    @property
+    def exit_info(self) -> ExitInfo | None:
+        return self._exit
+
+    async def close(self) -> None:
+        """Stop the kernel and release the sandbox. Queued cells end as ``cancelled``."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        await self._stop_pumps()
+        while not self._queue.empty():
+            handle = self._queue.get_nowait()
+            self._finish_unstarted(
+                handle, ExecutionStatus.CANCELLED, EndedBy.CANCEL, "session closed"
+            )
+        if self._active is not None:
+            _, handle, done = self._active
+            if not done.done():
+                done.set_exception(SessionClosedError("session closed"))
+        await self.sandbox.remove()
+
+    async def __aenter__(self) -> KernelSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener`` synchronously with every event of every execution, in order
+        (including late output of finished cells). It must not block."""
+        self._listeners.append(listener)
+
+    # -- executing --------------------------------------------------------------------
+
+    async def submit(
+        self, code: str, *, timeout: float | None = _UNSET, execution_id: str | None = None
+    ) -> ExecutionHandle:
+        """Queue a cell. ``timeout`` in seconds; ``None`` means no limit; default: the
+        session's ``cell_timeout``."""
+        self._check_open()
+        handle = ExecutionHandle(
+            execution_id or uuid.uuid4().hex,
+            code,
+            self.limits.cell_timeout if timeout is _UNSET else timeout,
+        )
+        self._handles[handle.id] = handle
+        self._emit(
+            handle,
+            StatusEvent(
+                execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.QUEUED
+            ),
+        )
+        if self._exit is not None:
+            self._finish_unstarted(
+                handle, ExecutionStatus.KERNEL_DIED, EndedBy.KERNEL_DEATH, self._exit.reason
+            )
+        else:
+            self._queue.put_nowait(handle)
+        return handle
+
+    async def execute(self, code: str, *, timeout: float | None = _UNSET) -> Execution:
+        """Run a cell and return it finished."""
+        handle = await self.submit(code, timeout=timeout)
+        return await handle.wait()
+
+    async def stream(self, code: str, *, timeout: float | None = _UNSET) -> AsyncIterator[Event]:
+        """Run a cell and yield its events as they happen, ending with the final one."""
+        handle = await self.submit(code, timeout=timeout)
+        async for event in handle:
+            yield event
+
+    async def interrupt(self) -> bool:
+        """KeyboardInterrupt in the running cell. Returns False if none was running."""
+        self._check_open()
+        if self._active is None:
+            return False
+        self._active[1].interrupt_requested = True
+        await self.sandbox.interrupt()
+        return True
+
+    def cancel(self, execution_id: str) -> bool:
+        """Cancel a queued cell. Returns False if it already started or finished."""
+        handle = self._handles.get(execution_id)
+        if handle is None or handle.status != ExecutionStatus.QUEUED:
+            return False
+        self._finish_unstarted(
+            handle, ExecutionStatus.CANCELLED, EndedBy.CANCEL, "cancelled before it ran"
+        )
+        return True
+
+    def send_input(self, value: str) -> None:
+        """Answer the running cell's ``input()`` request."""
+        self._check_open()
+        if self._active is None or self._active[1].status != ExecutionStatus.AWAITING_INPUT:
+            raise KernelhubError("no cell is waiting for input")
+        assert self._client is not None
+        self._client.input(value)
+        handle = self._active[1]
+        self._emit(
+            handle,
+            StatusEvent(
+                execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.RUNNING
+            ),
+        )
+
+    def get(self, execution_id: str) -> ExecutionHandle | None:
+        return self._handles.get(execution_id)
+
+    # -- internals: events ------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError(f"session {self.id} is closed; create a new session")
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _emit(self, handle: ExecutionHandle | None, event: Event) -> None:
+        if handle is not None and handle.record is None:
+            handle._emit(event)
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("event listener failed")
+
+    def _finish_unstarted(
+        self, handle: ExecutionHandle, status: ExecutionStatus, ended_by: EndedBy, reason: str
+    ) -> None:
+        now = _now()
+        record = ExecutionRecord(
+            execution_id=handle.id,
+            status=status,
+            ended_by=ended_by,
+            reason=reason,
+            queued_at=handle.queued_at,
+            finished_at=now,
+        )
+        self._emit(handle, FinalEvent(execution_id=handle.id, seq=self._next_seq(), record=record))
+
+    # -- internals: the kernel connection ---------------------------------------------
+
+    async def _connect(self, *, timeout: float, starting: bool) -> None:
+        """Wait for the kernel's sockets, check them, connect, and handshake."""
+        deadline = time.monotonic() + timeout
+        sdir = self.sandbox.session_dir
+        while not sdir.sockets_present():
+            await self._check_not_dead(starting)
+            if time.monotonic() > deadline:
+                raise SandboxStartError(
+                    f"kernel did not open its sockets within {timeout} s; "
+                    "raise KERNELHUB_ENGINE__START_TIMEOUT if the machine is slow",
+                    log_tail=await self.sandbox.log_tail(),
+                )
+            await asyncio.sleep(_POLL_INTERVAL)
+        client = connect_client(sdir)
+        self._client = client
+        try:
+            await self._handshake(client, deadline, starting)
+        except BaseException:
+            self._client = None
+            disconnect_client(client)
+            raise
+        self._pumps = [
+            asyncio.create_task(self._pump(client.iopub_channel), name="kernelhub-iopub"),
+            asyncio.create_task(self._pump(client.shell_channel), name="kernelhub-shell"),
+            asyncio.create_task(self._pump(client.stdin_channel), name="kernelhub-stdin"),
+        ]
+
+    async def _check_not_dead(self, starting: bool) -> None:
+        wait = asyncio.ensure_future(self.sandbox.wait_exit())
+        await asyncio.sleep(0)
+        if wait.done():
+            info = wait.result()
+            raise (
+                SandboxStartError(
+                    f"kernel exited while starting: {info.reason}",
+                    log_tail=await self.sandbox.log_tail(),
+                )
+                if starting
+                else KernelDiedError(info.reason)
+            )
+        wait.cancel()
+
+    async def _handshake(
+        self, client: SandboxKernelClient, deadline: float, starting: bool
+    ) -> None:
+        """kernel_info until both shell answers and iopub carries the request's status
+        (so the iopub subscription is live before the first cell: no lost output)."""
+        while True:
+            if time.monotonic() > deadline:
+                raise SandboxStartError(
+                    "kernel did not answer kernel_info in time",
+                    log_tail=await self.sandbox.log_tail(),
+                )
+            await self._check_not_dead(starting)
+            msg_id = client.kernel_info()
+            reply = await self._read_reply(client.shell_channel, msg_id, 1.0)
+            if reply is None:
+                continue
+            if await self._read_reply(client.iopub_channel, msg_id, 0.5) is None:
+                continue
+            self.kernel_info = dict(reply.get("content") or {})
+            return
+
+    @staticmethod
+    async def _read_reply(channel: Any, msg_id: str, timeout: float) -> dict[str, Any] | None:
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            try:
+                msg = await channel.get_msg(timeout=left)
+            except Exception:  # queue.Empty, or a message that fails to verify
+                continue
+            if (msg.get("parent_header") or {}).get("msg_id") == msg_id:
+                return dict(msg)
+        return None
+
+    async def _pump(self, channel: Any) -> None:
+        while True:
+            try:
+                msg = await channel._recv()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError:
+                return  # socket closed: we are reconnecting or shutting down
+            except Exception as exc:
+                # Bad signature, bad JSON, a replayed message: hostile or broken, never fatal.
+                log.debug("dropped an invalid kernel message: %s", exc)
+                continue
+            self._route(msg)
+
+    def _route(self, msg: dict[str, Any]) -> None:
+        parent = msg.get("parent_header")
+        parent_id = parent.get("msg_id") if isinstance(parent, dict) else None
+        entry = self._collectors.get(parent_id) if isinstance(parent_id, str) else None
+        if entry is None:
+            self._route_orphan(msg)
+            return
+        collector, handle = entry
+        for event in collector.feed(msg):
+            if isinstance(event, StatusEvent):
+                continue
+            self._emit(handle, event)
+            if event.type == "input_request":
+                self._emit(
+                    handle,
+                    StatusEvent(
+                        execution_id=handle.id,
+                        seq=self._next_seq(),
+                        status=ExecutionStatus.AWAITING_INPUT,
+                    ),
+                )
+        active = self._active
+        if (
+            active is not None
+            and active[0] is collector
+            and collector.done
+            and not active[2].done()
+        ):
+            active[2].set_result(None)
+
+    def _route_orphan(self, msg: dict[str, Any]) -> None:
+        """Output of no known cell (a background process writing between cells)."""
+        header = msg.get("header")
+        content = msg.get("content")
+        if not (isinstance(header, dict) and header.get("msg_type") == "stream"):
+            return
+        if not isinstance(content, dict) or content.get("name") not in ("stdout", "stderr"):
+            return
+        text = content.get("text")
+        if isinstance(text, str) and text:
+            text = text[: self.limits.output_bytes]
+            self._emit(
+                None,
+                StreamEvent(
+                    execution_id="",
+                    seq=self._next_seq(),
+                    name=content["name"],
+                    text=text,
+                    late=True,
+                ),
+            )
+
+    async def _stop_pumps(self) -> None:
+        for task in self._pumps:
+            task.cancel()
+        for task in self._pumps:
+            with contextlib.suppress(BaseException):
+                await task
+        self._pumps = []
+        if self._client is not None:
+            disconnect_client(self._client)
+            self._client = None
+
+    # -- internals: running cells -----------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            handle = await self._queue.get()
+            if handle.status != ExecutionStatus.QUEUED:
+                continue  # cancelled while queued
+            if self._exit is not None:
+                self._finish_unstarted(
+                    handle, ExecutionStatus.KERNEL_DIED, EndedBy.KERNEL_DEATH, self._exit.reason
+                )
+                continue
+            try:
+                await self._run(handle)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("execution %s crashed the worker", handle.id)
+                if handle.record is None:
+                    self._finish_unstarted(
+                        handle,
+                        ExecutionStatus.FAILED,
+                        EndedBy.KILL,
+                        "internal error; see the kernelhub log",
+                    )
+
+    async def _run(self, handle: ExecutionHandle) -> None:
+        assert self._client is not None
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self.sandbox.reset_peak()
+        before = self.sandbox.usage()
+        handle.started_at = _now()
+        started = time.monotonic()
+        msg_id = self._client.execute(handle.code, allow_stdin=True, stop_on_error=False)
+        collector = OutputCollector(
+            handle.id, msg_id, limit_bytes=self.limits.output_bytes, next_seq=self._next_seq
+        )
+        self._collectors[msg_id] = (collector, handle)
+        while len(self._collectors) > _RECENT_EXECUTIONS:
+            self._collectors.popitem(last=False)
+        self._active = (collector, handle, done)
+        self._emit(
+            handle,
+            StatusEvent(
+                execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.RUNNING
+            ),
+        )
+
+        ended_by, state_lost, reason = EndedBy.REPLY, False, None
+        status: ExecutionStatus | None = None
+        try:
+            await asyncio.wait_for(asyncio.shield(done), handle.timeout)
+        except TimeoutError:
+            status = ExecutionStatus.TIMED_OUT
+            reason = (
+                f"execution timed out after {handle.timeout:g} s; pass timeout= or set "
+                "KERNELHUB_LIMITS__CELL_TIMEOUT"
+            )
+            ended_by, state_lost = await self._escalate(done, handle)
+        except KernelDiedError as exc:
+            status, ended_by, state_lost, reason = (
+                ExecutionStatus.KERNEL_DIED,
+                EndedBy.KERNEL_DEATH,
+                True,
+                exc.reason,
+            )
+        except SessionClosedError:
+            status, ended_by, state_lost, reason = (
+                ExecutionStatus.CANCELLED,
+                EndedBy.KILL,
+                True,
+                "session closed",
+            )
+        finally:
+            self._active = None
+        duration = time.monotonic() - started
+        after = self.sandbox.usage()
+
+        if status is None:
+            if (
+                handle.interrupt_requested
+                and collector.error
+                and collector.error.name == "KeyboardInterrupt"
+            ):
+                status, ended_by = ExecutionStatus.INTERRUPTED, EndedBy.INTERRUPT
+            elif collector.reply_status == "ok":
+                status = ExecutionStatus.COMPLETED
+            else:
+                status = ExecutionStatus.FAILED
+        elif status == ExecutionStatus.KERNEL_DIED and self._exit is not None:
+            reason = self._exit.reason
+        for event in collector.finish():
+            self._emit(handle, event)
+        cpu = (
+            after.cpu_seconds - before.cpu_seconds
+            if after.cpu_seconds is not None and before.cpu_seconds is not None
+            else None
+        )
+        record = ExecutionRecord(
+            execution_id=handle.id,
+            status=status,
+            ended_by=ended_by,
+            state_lost=state_lost,
+            reason=reason,
+            execution_count=collector.execution_count,
+            error=collector.error,
+            queued_at=handle.queued_at,
+            started_at=handle.started_at,
+            finished_at=_now(),
+            duration=duration,
+            cpu_seconds=cpu,
+            peak_memory_bytes=after.peak_memory_bytes,
+            output_bytes=collector.output_bytes,
+            dropped_bytes=collector.dropped_bytes,
+        )
+        self._emit(handle, FinalEvent(execution_id=handle.id, seq=self._next_seq(), record=record))
+
+    async def _escalate(
+        self, done: asyncio.Future[None], handle: ExecutionHandle
+    ) -> tuple[EndedBy, bool]:
+        """Interrupt → restart the kernel → kill the sandbox, each step given its grace."""
+        try:
+            await self.sandbox.interrupt()
+            await asyncio.wait_for(asyncio.shield(done), self.engine.interrupt_grace)
+            return EndedBy.INTERRUPT, False
+        except TimeoutError:
+            pass
+        except KernelhubError:
+            if self._exit is not None:
+                return EndedBy.KERNEL_DEATH, True
+        self._emit(
+            handle,
+            NoticeEvent(
+                execution_id=handle.id,
+                seq=self._next_seq(),
+                message="cell ignored the interrupt; restarting the kernel (variables are lost, files are kept)",
+            ),
+        )
+        try:
+            await asyncio.wait_for(self._restart(), self.engine.restart_grace)
+            return EndedBy.RESTART, True
+        except (TimeoutError, KernelhubError) as exc:
+            log.warning("kernel restart failed (%s); killing the sandbox", exc)
+        self._emit(
+            handle,
+            NoticeEvent(
+                execution_id=handle.id,
+                seq=self._next_seq(),
+                message="kernel restart failed; the sandbox was killed",
+            ),
+        )
+        await self.sandbox.kill()
+        if self._exit is None:
+            self._exit = ExitInfo(reason="killed after a cell ignored its timeout")
+        return EndedBy.KILL, True
+
+    async def _restart(self) -> None:
+        before = self._socket_inodes()
+        await self._stop_pumps()
+        await self.sandbox.restart_kernel()
+        deadline = time.monotonic() + self.engine.restart_grace
+        # The new kernel re-binds every socket (new inodes); connecting earlier would
+        # reach the dead kernel's files.
+        while True:
+            now = self._socket_inodes()
+            if len(now) == len(PORTS) and not (set(now.values()) & set(before.values())):
+                break
+            if time.monotonic() > deadline:
+                raise KernelError("restarted kernel did not bind its sockets")
+            await self._check_not_dead(False)
+            await asyncio.sleep(_POLL_INTERVAL)
+        await self._connect(timeout=max(deadline - time.monotonic(), 1.0), starting=False)
+
+    def _socket_inodes(self) -> dict[int, int]:
+        ipc = self.sandbox.session_dir.ipc_dir
+        inodes = {}
+        for port in PORTS.values():
+            try:
+                inodes[port] = os.lstat(ipc / f"{SOCKET_PREFIX}-{port}").st_ino
+            except OSError:
+                pass
+        return inodes
+
+    async def _watch_death(self) -> None:
+        info = await self.sandbox.wait_exit()
+        if self._closed:
+            return
+        self._exit = info
+        log.info("kernel of session %s died: %s", self.id, info.reason)
+        if self._active is not None and not self._active[2].done():
+            self._active[2].set_exception(KernelDiedError(info.reason))

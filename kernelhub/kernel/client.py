@@ -1,0 +1,80 @@
+"""jupyter_client's async kernel client, connected the safe way.
+
+The only changes from stock ``AsyncKernelClient``: sockets connect through descriptors we
+opened and checked (:meth:`SessionDir.open_sockets`), never reconnect by path on their own,
+and refuse oversized messages so a hostile kernel cannot make the host buffer 300 MB.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import zmq
+from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.session import Session
+
+from kernelhub.kernel.connection import PORTS, SIGNATURE_SCHEME, SessionDir
+
+# The in-kernel helper splits stream output into messages of at most 1 MiB; displays
+# (a plot) can be larger. Anything past this is dropped by libzmq before allocation.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class SandboxKernelClient(AsyncKernelClient):  # type: ignore[misc]
+    """An ``AsyncKernelClient`` whose sockets are connected to pre-checked descriptors."""
+
+    _socket_fds: dict[str, int]
+
+    def _make_url(self, channel: str) -> str:
+        return f"ipc:///proc/self/fd/{self._socket_fds[channel]}"
+
+    def _create_connected_socket(self, channel: str, identity: bytes | None = None) -> Any:
+        url = self._make_url(channel)
+        sock = self.context.socket(_SOCKET_TYPES[channel])
+        sock.linger = 0
+        # A dropped connection means the kernel went away or was restarted; we reconnect
+        # explicitly after re-checking the socket files, never automatically by path.
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if identity:
+            sock.identity = identity
+        sock.connect(url)
+        return sock
+
+
+_SOCKET_TYPES = {
+    "shell": zmq.DEALER,
+    "control": zmq.DEALER,
+    "stdin": zmq.DEALER,
+    "iopub": zmq.SUB,
+    "hb": zmq.REQ,
+}
+
+
+def connect_client(session_dir: SessionDir) -> SandboxKernelClient:
+    """Check the kernel's sockets and start a client on them (no heartbeat channel: the
+    sandbox backend reports the kernel's death faster and more precisely)."""
+    fds = session_dir.open_sockets()
+    client = SandboxKernelClient(
+        session=Session(
+            key=session_dir.key.get_secret_value().encode(),
+            signature_scheme=SIGNATURE_SCHEME,
+        ),
+        transport="ipc",
+        ip=session_dir.host_ipc_prefix,
+        **{f"{name}_port": port for name, port in PORTS.items()},
+    )
+    client._socket_fds = fds
+    client.start_channels(hb=False)
+    return client
+
+
+def disconnect_client(client: SandboxKernelClient) -> None:
+    client.stop_channels()
+    for fd in client._socket_fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    client._socket_fds = {}

@@ -1,0 +1,31 @@
+"""Pick and build the sandbox backend the settings ask for."""
+
+from __future__ import annotations
+
+from kernelhub.config import Settings
+from kernelhub.errors import BackendUnavailableError
+from kernelhub.sandbox.base import SandboxBackend
+
+
+def make_backend(settings: Settings, *, instance: str = "default") -> SandboxBackend:
+    """``auto``: docker when a daemon answers, else local with bubblewrap (else the
+    unisolated local mode if, and only if, the settings allow it)."""
+    from kernelhub.sandbox.docker import DockerBackend, docker_available
+    from kernelhub.sandbox.local import LocalBackend
+
+    choice = settings.backend
+    if choice == "auto":
+        choice = "docker" if docker_available(settings.docker.base_url) else "local"
+    if choice == "docker":
+        return DockerBackend(
+            image=settings.docker.image,
+            run_dir=settings.run_dir,
+            instance=instance,
+            runtime=settings.docker.runtime,
+            base_url=settings.docker.base_url,
+        )
+    if choice == "local":
+        return LocalBackend(
+            run_dir=settings.run_dir, instance=instance, unisolated=settings.local.unisolated
+        )
+    raise BackendUnavailableError(f"unknown backend {choice!r}; use auto, docker or local")

@@ -1,0 +1,135 @@
+"""The one seam between kernelhub and whatever isolates a kernel.
+
+A :class:`SandboxBackend` makes :class:`Sandbox` objects; a ``KernelSession`` (the engine)
+owns exactly one sandbox and is the only caller of its methods. Implementations:
+``docker.DockerBackend`` (the default, one hardened container per sandbox) and
+``local.LocalBackend`` (a host process, in bubblewrap namespaces when available).
+
+Inside every sandbox the same program runs: ``kernelhub_kernel.supervisor`` from
+``kernel-image/``, which starts the IPython kernel, forwards SIGINT to it (interrupt),
+restarts it on SIGHUP, and exits with the kernel's status when the kernel dies.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kernelhub import __version__
+from kernelhub.config import Limits
+from kernelhub.kernel.connection import SessionDir
+from kernelhub.models import ResourceUsage
+
+LABEL_PREFIX = "org.kernelhub"
+LABEL_MANAGED = f"{LABEL_PREFIX}.managed"
+LABEL_SESSION = f"{LABEL_PREFIX}.session"
+LABEL_OWNER = f"{LABEL_PREFIX}.owner"
+LABEL_VERSION = f"{LABEL_PREFIX}.version"
+LABEL_INSTANCE = f"{LABEL_PREFIX}.instance"
+
+
+class SandboxSpec(BaseModel):
+    """What to create. Everything a backend needs to know about one sandbox."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    session_id: str = Field(pattern=r"^[a-z0-9]{6,32}$")
+    owner: str = "local"
+    limits: Limits = Field(default_factory=Limits)
+
+    def labels(self, instance: str) -> dict[str, str]:
+        """Labels every resource made for this sandbox carries; cleanup finds them by these."""
+        return {
+            LABEL_MANAGED: "true",
+            LABEL_SESSION: self.session_id,
+            LABEL_OWNER: self.owner,
+            LABEL_VERSION: __version__,
+            LABEL_INSTANCE: instance,
+        }
+
+
+class ExitInfo(BaseModel):
+    """How a sandbox's kernel ended."""
+
+    model_config = ConfigDict(frozen=True)
+
+    exit_code: int | None = None
+    oom_killed: bool = False
+    reason: str
+
+
+class Sandbox(abc.ABC):
+    """One running kernel's isolation. Method contracts (caller: the owning engine):
+
+    - ``start()``: launch; returns once the process runs (the kernel may not be ready:
+      the engine waits for its sockets in ``session_dir`` and asks for ``kernel_info``).
+    - ``wait_exit()``: resolves with :class:`ExitInfo` when the kernel is gone for good
+      (not on a requested ``restart_kernel``). Safe to await from several tasks.
+    - ``interrupt()``: deliver SIGINT to the running cell (the supervisor forwards it).
+    - ``restart_kernel()``: replace the kernel process, keeping the sandbox and its files;
+      the engine then reconnects. Variables are lost.
+    - ``kill()``: stop everything now; ``wait_exit`` resolves.
+    - ``remove()``: release every resource (container, directories). Idempotent.
+    - ``usage()`` / ``reset_peak()``: accounting, cheap enough to call around every cell.
+    """
+
+    session_dir: SessionDir
+    spec: SandboxSpec
+
+    @property
+    @abc.abstractmethod
+    def id(self) -> str:
+        """Backend-specific id (container id, or process id)."""
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def wait_exit(self) -> ExitInfo: ...
+
+    @abc.abstractmethod
+    async def interrupt(self) -> None: ...
+
+    @abc.abstractmethod
+    async def restart_kernel(self) -> None: ...
+
+    @abc.abstractmethod
+    async def kill(self) -> None: ...
+
+    @abc.abstractmethod
+    async def remove(self) -> None: ...
+
+    @abc.abstractmethod
+    def usage(self) -> ResourceUsage: ...
+
+    @abc.abstractmethod
+    def reset_peak(self) -> None: ...
+
+    async def log_tail(self, lines: int = 30) -> str:
+        """The last lines the sandbox wrote outside the kernel protocol (diagnostics)."""
+        return ""
+
+    @property
+    def workspace(self) -> Path | None:
+        """Host path of the workspace, where the backend has one (local backend only)."""
+        return None
+
+
+class SandboxBackend(abc.ABC):
+    """Makes sandboxes of one kind. Callers: the session layer (create), start-up (reap)."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        """Prepare a sandbox (not started)."""
+
+    @abc.abstractmethod
+    async def reap_orphans(self) -> int:
+        """Remove every resource this backend instance's labels mark that no live sandbox
+        owns (left by a crashed kernelhub). Returns how many were removed."""
+
+    async def close(self) -> None:
+        """Release the backend's own resources (clients, threads)."""

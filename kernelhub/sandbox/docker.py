@@ -1,0 +1,316 @@
+"""The docker backend: one hardened container per sandbox, through the Docker Engine API.
+
+The docker SDK is synchronous; its calls run on a small thread pool this backend owns.
+One thread follows the daemon's event stream for our containers and resolves each
+sandbox's exit future the moment its container dies, so a dead kernel is noticed within
+milliseconds without polling or a thread per sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import docker
+import docker.errors
+import requests.exceptions
+
+from kernelhub.errors import BackendUnavailableError, ImageError, SandboxError
+from kernelhub.image import IPC_DIR, SANDBOX_GID, SANDBOX_UID
+from kernelhub.image.build import check_image
+from kernelhub.kernel.connection import SOCKET_PREFIX, SessionDir
+from kernelhub.models import ResourceUsage
+from kernelhub.sandbox.base import (
+    LABEL_INSTANCE,
+    LABEL_MANAGED,
+    ExitInfo,
+    Sandbox,
+    SandboxBackend,
+    SandboxSpec,
+)
+from kernelhub.sandbox.cgroup import CgroupFiles
+from kernelhub.sandbox.docker_config import container_config
+from kernelhub.sandbox.exit import describe_exit
+from kernelhub.sandbox.seccomp import profile_json
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
+
+
+def docker_available(base_url: str | None = None) -> bool:
+    """Does a Docker daemon answer? (Used by backend ``auto``.)"""
+    try:
+        client = _client(base_url, timeout=3)
+        try:
+            client.ping()
+        finally:
+            client.close()
+        return True
+    except _DOCKER_ERRORS:
+        return False
+
+
+def _client(base_url: str | None, timeout: int = 120) -> docker.DockerClient:
+    if base_url:
+        return docker.DockerClient(base_url=base_url, timeout=timeout)
+    return docker.from_env(timeout=timeout)
+
+
+class DockerBackend(SandboxBackend):
+    name = "docker"
+
+    def __init__(
+        self,
+        *,
+        image: str,
+        run_dir: Path,
+        instance: str = "default",
+        runtime: str = "runc",
+        base_url: str | None = None,
+    ) -> None:
+        try:
+            self.client = _client(base_url)
+            self.client.ping()
+        except _DOCKER_ERRORS as exc:
+            raise BackendUnavailableError(
+                f"no Docker daemon answers ({exc}); start dockerd, set DOCKER_HOST, "
+                "or use KERNELHUB_BACKEND=local"
+            ) from exc
+        self.image = image
+        self.runtime = runtime
+        self.instance = instance
+        self.run_dir = run_dir / instance
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kernelhub-docker")
+        self._seccomp = profile_json()
+        self._image_checked = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._exits: dict[str, asyncio.Future[ExitInfo]] = {}
+        self._ooms: set[str] = set()
+        self._events: Any = None
+        self._events_thread: threading.Thread | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking docker SDK call on our pool, translating its errors."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        except docker.errors.ImageNotFound as exc:
+            raise ImageError(
+                f"kernel image {self.image} not found; build it with `kernelhub image build`"
+            ) from exc
+        except _DOCKER_ERRORS as exc:
+            raise SandboxError(f"Docker call {getattr(fn, '__name__', fn)} failed: {exc}") from exc
+
+    async def _ensure_started(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._events = self.client.events(
+                decode=True,
+                filters={
+                    "type": "container",
+                    "event": ["die", "oom"],
+                    "label": [f"{LABEL_MANAGED}=true", f"{LABEL_INSTANCE}={self.instance}"],
+                },
+            )
+            self._events_thread = threading.Thread(
+                target=self._follow_events, name="kernelhub-docker-events", daemon=True
+            )
+            self._events_thread.start()
+        if not self._image_checked:
+            await self.call(check_image, self.client, self.image)
+            self._image_checked = True
+
+    def _follow_events(self) -> None:
+        try:
+            for event in self._events:
+                cid = event.get("id") or event.get("Actor", {}).get("ID")
+                action = event.get("Action") or event.get("status")
+                if not cid or self._loop is None:
+                    continue
+                if action == "oom":
+                    self._ooms.add(cid)
+                elif action == "die":
+                    self._loop.call_soon_threadsafe(self._on_die, cid, event)
+        except Exception:  # the stream closes with an error when we close the client
+            log.debug("docker event stream ended", exc_info=True)
+
+    def _on_die(self, cid: str, event: dict[str, Any]) -> None:
+        fut = self._exits.get(cid)
+        if fut is None or fut.done():
+            return
+        attrs = event.get("Actor", {}).get("Attributes", {})
+        try:
+            code: int | None = int(attrs.get("exitCode"))
+        except (TypeError, ValueError):
+            code = None
+        task = asyncio.ensure_future(self._settle_exit(cid, code, fut))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _settle_exit(self, cid: str, code: int | None, fut: asyncio.Future[ExitInfo]) -> None:
+        oom = cid in self._ooms
+        if not oom:
+            # The "oom" event can trail "die"; the container state is authoritative.
+            with contextlib.suppress(SandboxError, ImageError):
+                attrs = await self.call(self.client.api.inspect_container, cid)
+                oom = bool(attrs.get("State", {}).get("OOMKilled"))
+        if not fut.done():
+            fut.set_result(ExitInfo(exit_code=code, oom_killed=oom, reason=""))
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        await self._ensure_started()
+        return DockerSandbox(self, spec)
+
+    async def reap_orphans(self) -> int:
+        await self._ensure_started()
+        containers = await self.call(
+            self.client.containers.list,
+            all=True,
+            filters={"label": [f"{LABEL_MANAGED}=true", f"{LABEL_INSTANCE}={self.instance}"]},
+        )
+        live = {cid for cid, fut in self._exits.items() if not fut.done()}
+        removed = 0
+        for container in containers:
+            if container.id in live:
+                continue
+            with contextlib.suppress(SandboxError):
+                await self.call(container.remove, force=True)
+                removed += 1
+        # Directories left behind by sandboxes no container answers for any more.
+        if self.run_dir.is_dir():
+            owned = {c.labels.get("org.kernelhub.session") for c in containers if c.id in live}
+            for child in self.run_dir.iterdir():
+                if child.name not in owned and (child / "labels.json").is_file():
+                    shutil.rmtree(child, ignore_errors=True)
+        return removed
+
+    async def close(self) -> None:
+        if self._events is not None:
+            with contextlib.suppress(Exception):
+                self._events.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+class DockerSandbox(Sandbox):
+    def __init__(self, backend: DockerBackend, spec: SandboxSpec) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.container: Any = None
+        self._cgroup: CgroupFiles | None = None
+        root = backend.run_dir / spec.session_id
+        uid = SANDBOX_UID if _is_root() else _euid()
+        self.session_dir = SessionDir.create(
+            root,
+            sandbox_uid=uid,
+            sandbox_gid=SANDBOX_GID if _is_root() else _egid(),
+            labels=spec.labels(backend.instance),
+            kernel_ipc_prefix=f"{IPC_DIR}/{SOCKET_PREFIX}",
+        )
+        self._exit: asyncio.Future[ExitInfo] = asyncio.get_running_loop().create_future()
+
+    @property
+    def id(self) -> str:
+        return str(self.container.id) if self.container is not None else ""
+
+    async def start(self) -> None:
+        b = self.backend
+        config = container_config(
+            self.spec,
+            image=b.image,
+            runtime=b.runtime,
+            session_dir=self.session_dir,
+            instance=b.instance,
+            seccomp_profile=b._seccomp,
+        )
+        if not _is_root():
+            config["user"] = f"{_euid()}:{_egid()}"
+        try:
+            self.container = await b.call(b.client.containers.create, **config)
+            b._exits[self.container.id] = self._exit
+            await b.call(self.container.start)
+            await b.call(self.container.reload)
+        except BaseException:
+            await self.remove()
+            raise
+        pid = self.container.attrs.get("State", {}).get("Pid")
+        if pid:
+            self._cgroup = CgroupFiles.for_pid(int(pid))
+
+    async def wait_exit(self) -> ExitInfo:
+        info = await asyncio.shield(self._exit)
+        if info.reason:
+            return info
+        return describe_exit(
+            info.exit_code,
+            oom_killed=info.oom_killed,
+            memory_limit=self.spec.limits.memory_bytes,
+        )
+
+    async def _signal(self, sig: str) -> None:
+        if self.container is None or self._exit.done():
+            return
+        try:
+            await self.backend.call(self.container.kill, signal=sig)
+        except SandboxError:
+            if not self._exit.done():
+                raise
+
+    async def interrupt(self) -> None:
+        await self._signal("SIGINT")
+
+    async def restart_kernel(self) -> None:
+        await self._signal("SIGHUP")
+
+    async def kill(self) -> None:
+        await self._signal("SIGKILL")
+
+    async def remove(self) -> None:
+        if self.container is not None:
+            with contextlib.suppress(SandboxError):
+                await self.backend.call(self.container.remove, force=True, v=True)
+            self.backend._exits.pop(self.container.id, None)
+            self.backend._ooms.discard(self.container.id)
+        if not self._exit.done():
+            self._exit.set_result(ExitInfo(reason="sandbox removed"))
+        self.session_dir.remove()
+
+    def usage(self) -> ResourceUsage:
+        return self._cgroup.read() if self._cgroup else ResourceUsage()
+
+    def reset_peak(self) -> None:
+        if self._cgroup:
+            self._cgroup.reset_peak()
+
+    async def log_tail(self, lines: int = 30) -> str:
+        if self.container is None:
+            return ""
+        try:
+            raw = await self.backend.call(self.container.logs, tail=lines)
+        except SandboxError:
+            return ""
+        return bytes(raw).decode("utf-8", "replace")
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _euid() -> int:
+    return os.geteuid()
+
+
+def _egid() -> int:
+    return os.getegid()

@@ -1,0 +1,99 @@
+"""Every hardening choice for a sandbox container, in one pure function.
+
+Read this file to know what a kernelhub container may and may not do. The unit test
+``tests/unit/sandbox/test_docker_config.py`` pins each choice; the Docker posture test
+checks from inside a live container that they are really in force.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from docker.types import LogConfig, Mount, Ulimit
+
+from kernelhub.image import (
+    CONNECTION_FILE,
+    IPC_DIR,
+    KERNEL_PYTHON,
+    SANDBOX_GID,
+    SANDBOX_UID,
+    WORKSPACE,
+)
+from kernelhub.kernel.connection import SessionDir
+from kernelhub.sandbox.base import SandboxSpec
+
+SHM_BYTES = 64 * 1024 * 1024
+LOG_MAX_SIZE = "1m"  # the kernel's own output goes over ZeroMQ; the log only gets crashes
+
+
+def container_config(
+    spec: SandboxSpec,
+    *,
+    image: str,
+    runtime: str,
+    session_dir: SessionDir,
+    instance: str,
+    seccomp_profile: str,
+) -> dict[str, Any]:
+    """Keyword arguments for ``docker.from_env().containers.create``.
+
+    ``seccomp_profile`` is the JSON text of kernelhub's own profile (Docker's default one
+    lets code create AF_VSOCK sockets and use io_uring before Docker 25).
+    """
+    limits = spec.limits
+    tmpfs_opts = f"rw,nosuid,nodev,uid={SANDBOX_UID},gid={SANDBOX_GID},mode=0700"
+    return {
+        "image": image,
+        "command": [
+            KERNEL_PYTHON,
+            "-m",
+            "kernelhub_kernel.supervisor",
+            "--connection-file",
+            CONNECTION_FILE,
+        ],
+        "labels": spec.labels(instance),
+        "hostname": "sandbox",
+        # Never the HMAC key: the environment is visible in `docker inspect`.
+        "environment": {"KERNELHUB_SESSION": spec.session_id},
+        "user": f"{SANDBOX_UID}:{SANDBOX_GID}",
+        "working_dir": WORKSPACE,
+        # No network at all: not even a bridge; only the loopback interface exists.
+        "network_mode": "none",
+        "read_only": True,
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true", f"seccomp={seccomp_profile}"],
+        "runtime": runtime,
+        "ipc_mode": "private",
+        "shm_size": SHM_BYTES,
+        # Memory with no extra swap: memswap == mem.
+        "mem_limit": limits.memory_bytes,
+        "memswap_limit": limits.memory_bytes,
+        "nano_cpus": int(limits.cpus * 1e9),
+        "pids_limit": limits.pids,
+        "ulimits": [
+            Ulimit(name="core", soft=0, hard=0),
+            Ulimit(name="nofile", soft=4096, hard=4096),
+        ],
+        "tmpfs": {
+            WORKSPACE: f"{tmpfs_opts},size={limits.workspace_bytes}",
+            "/tmp": f"{tmpfs_opts},size={limits.tmp_bytes}",
+        },
+        "mounts": [
+            Mount(target=IPC_DIR, source=str(session_dir.ipc_dir), type="bind"),
+            Mount(
+                target=CONNECTION_FILE,
+                source=str(session_dir.connection_file),
+                type="bind",
+                read_only=True,
+            ),
+        ],
+        "log_config": LogConfig(
+            type=LogConfig.types.JSON,
+            config={"max-size": LOG_MAX_SIZE, "max-file": "1"},
+        ),
+        # Our supervisor is PID 1 and reaps zombies; Docker's init would be a second one.
+        "init": False,
+        "stop_signal": "SIGTERM",
+        "oom_score_adj": 500,  # under host memory pressure, sandboxes die before the host
+        "detach": True,
+    }

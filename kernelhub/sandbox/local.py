@@ -1,0 +1,324 @@
+"""The local backend: the kernel as a host process, for development and Docker-less machines.
+
+With bubblewrap (``bwrap``) the kernel runs in new user, pid, network, ipc and mount
+namespaces, sees a read-only view of the system directories it needs and nothing of the
+host's home or data directories, gets its own ``/workspace`` and ``/tmp``, and runs under
+kernelhub's seccomp profile. Without bwrap it refuses to start unless the operator chose
+the explicit unisolated mode, which warns at every start.
+
+Memory, CPU and pids limits are *not* enforced here (no cgroups); use the docker backend
+for untrusted code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import psutil
+
+from kernelhub.errors import BackendUnavailableError, SandboxError
+from kernelhub.image import CONNECTION_FILE, IPC_DIR, WORKSPACE
+from kernelhub.image.build import kernel_image_dir
+from kernelhub.kernel.connection import SOCKET_PREFIX, SessionDir
+from kernelhub.models import ResourceUsage
+from kernelhub.sandbox.base import ExitInfo, Sandbox, SandboxBackend, SandboxSpec
+from kernelhub.sandbox.exit import describe_exit
+from kernelhub.sandbox.seccomp import compile_bpf
+
+# System paths the kernel may read. Home directories, /root, /srv, /var and kernelhub's own
+# data directory are not among them.
+_SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/opt")
+_ETC_FILES = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/localtime",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/etc/fonts",
+    "/etc/mime.types",
+)
+
+
+class UnisolatedWarning(UserWarning):
+    """The local backend is running kernels without any isolation."""
+
+
+def bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+class LocalBackend(SandboxBackend):
+    name = "local"
+
+    def __init__(
+        self, *, run_dir: Path, instance: str = "default", unisolated: bool = False
+    ) -> None:
+        self.bwrap = bwrap_path()
+        if self.bwrap is None and not unisolated:
+            raise BackendUnavailableError(
+                "the local backend needs bubblewrap for isolation: `apt-get install -y "
+                "bubblewrap`; or set KERNELHUB_LOCAL__UNISOLATED=true to run kernels as plain "
+                "host processes (unsafe: the code can read and write your files)"
+            )
+        self.unisolated = self.bwrap is None
+        self.instance = instance
+        self.run_dir = run_dir / instance
+        self._bpf: Path | None = None
+        self._live: set[str] = set()
+
+    def _seccomp_program(self) -> Path:
+        if self._bpf is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+            fd, name = tempfile.mkstemp(prefix=".seccomp-", suffix=".bpf", dir=self.run_dir)
+            with os.fdopen(fd, "wb") as fh:
+                compile_bpf(fh)
+            self._bpf = Path(name)
+        return self._bpf
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        if self.unisolated:
+            warnings.warn(
+                "kernelhub local backend: bubblewrap is missing and unisolated mode is on; "
+                "kernel code runs with your user's full access",
+                UnisolatedWarning,
+                stacklevel=2,
+            )
+        return LocalSandbox(self, spec)
+
+    async def reap_orphans(self) -> int:
+        removed = 0
+        marker = str(self.run_dir) + os.sep
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = proc.info.get("cmdline") or []
+            if "kernelhub_kernel.supervisor" in cmd and any(
+                a.startswith(marker) and a.split(os.sep)[len(self.run_dir.parts)] not in self._live
+                for a in cmd
+            ):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+                    removed += 1
+        if self.run_dir.is_dir():
+            for child in self.run_dir.iterdir():
+                if child.name not in self._live and (child / "labels.json").is_file():
+                    shutil.rmtree(child, ignore_errors=True)
+        return removed
+
+    async def close(self) -> None:
+        if self._bpf is not None:
+            self._bpf.unlink(missing_ok=True)
+
+
+class LocalSandbox(Sandbox):
+    def __init__(self, backend: LocalBackend, spec: SandboxSpec) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.proc: asyncio.subprocess.Process | None = None
+        self._supervisor: psutil.Process | None = None
+        self._peak = 0
+        isolated = not backend.unisolated
+        self.session_dir = SessionDir.create(
+            backend.run_dir / spec.session_id,
+            sandbox_uid=os.geteuid(),
+            sandbox_gid=os.getegid(),
+            labels=spec.labels(backend.instance),
+            kernel_ipc_prefix=f"{IPC_DIR}/{SOCKET_PREFIX}" if isolated else None,
+        )
+        self._workspace = self.session_dir.root / "workspace"
+        self._workspace.mkdir(mode=0o700)
+        backend._live.add(spec.session_id)
+
+    @property
+    def id(self) -> str:
+        return str(self.proc.pid) if self.proc else ""
+
+    @property
+    def workspace(self) -> Path:
+        return self._workspace
+
+    def _env(self, tmp: str) -> dict[str, str]:
+        return {
+            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": WORKSPACE if not self.backend.unisolated else str(self._workspace),
+            "LANG": "C.UTF-8",
+            "PYTHONPATH": str(kernel_image_dir()),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+            "MPLCONFIGDIR": f"{tmp}/.matplotlib",
+            "IPYTHONDIR": f"{tmp}/.ipython",
+            "KERNELHUB_SESSION": self.spec.session_id,
+        }
+
+    async def start(self) -> None:
+        b = self.backend
+        python = sys.executable
+        if b.unisolated:
+            tmp = str(self.session_dir.root / "tmp")
+            os.mkdir(tmp, 0o700)
+            cmd = [
+                python,
+                "-m",
+                "kernelhub_kernel.supervisor",
+                "--connection-file",
+                str(self.session_dir.connection_file),
+            ]
+            self.proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                env=self._env(tmp),
+                cwd=self._workspace,
+                start_new_session=True,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
+        else:
+            bpf_fd = os.open(b._seccomp_program(), os.O_RDONLY)
+            try:
+                cmd = self._bwrap_command(python, bpf_fd)
+                self.proc = await asyncio.create_subprocess_exec(
+                    *cmd,
+                    env={},
+                    pass_fds=(bpf_fd,),
+                    start_new_session=True,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+            finally:
+                os.close(bpf_fd)
+        self._stderr_tail = bytearray()
+        self._stderr_task = asyncio.create_task(self._drain_stderr())
+
+    def _bwrap_command(self, python: str, bpf_fd: int) -> list[str]:
+        assert self.backend.bwrap is not None
+        cmd = [
+            self.backend.bwrap,
+            "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+            "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--as-pid-1",
+            "--hostname", "sandbox",
+        ]  # fmt: skip
+        for path in _SYSTEM_DIRS:
+            cmd += ["--ro-bind-try", path, path]
+        for path in _ETC_FILES:
+            cmd += ["--ro-bind-try", path, path]
+        # The interpreter and its packages, wherever they live (a venv under /root, pyenv …).
+        for path in sorted(
+            {sys.prefix, sys.base_prefix, str(Path(python).resolve().parent.parent)}
+        ):
+            cmd += ["--ro-bind", path, path]
+        kdir = str(kernel_image_dir())
+        cmd += [
+            "--ro-bind", kdir, kdir,
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--tmpfs", "/tmp",
+            "--bind", str(self._workspace), WORKSPACE,
+            "--bind", str(self.session_dir.ipc_dir), IPC_DIR,
+            "--ro-bind", str(self.session_dir.connection_file), CONNECTION_FILE,
+            "--chdir", WORKSPACE,
+            "--seccomp", str(bpf_fd),
+        ]  # fmt: skip
+        for key, value in self._env("/tmp").items():
+            cmd += ["--setenv", key, value]
+        cmd += [
+            "--",
+            python,
+            "-m",
+            "kernelhub_kernel.supervisor",
+            "--connection-file",
+            CONNECTION_FILE,
+        ]
+        return cmd
+
+    async def _drain_stderr(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        while chunk := await self.proc.stderr.read(65536):
+            self._stderr_tail += chunk
+            del self._stderr_tail[:-8192]
+
+    async def log_tail(self, lines: int = 30) -> str:
+        text = bytes(getattr(self, "_stderr_tail", b"")).decode("utf-8", "replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _find_supervisor(self) -> psutil.Process | None:
+        if self._supervisor is not None and self._supervisor.is_running():
+            return self._supervisor
+        if self.proc is None:
+            return None
+        try:
+            root = psutil.Process(self.proc.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                if "kernelhub_kernel.supervisor" in proc.cmdline():
+                    self._supervisor = proc
+                    return proc
+        except psutil.Error:
+            return None
+        return None
+
+    async def _signal(self, sig: signal.Signals) -> None:
+        sup = self._find_supervisor()
+        if sup is None:
+            if self.proc is not None and self.proc.returncode is None:
+                raise SandboxError("the sandbox's supervisor process cannot be found")
+            return
+        with contextlib.suppress(psutil.NoSuchProcess):
+            sup.send_signal(sig)
+
+    async def wait_exit(self) -> ExitInfo:
+        assert self.proc is not None
+        code = await asyncio.shield(self.proc.wait())
+        return describe_exit(code)
+
+    async def interrupt(self) -> None:
+        await self._signal(signal.SIGINT)
+
+    async def restart_kernel(self) -> None:
+        await self._signal(signal.SIGHUP)
+
+    async def kill(self) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        await self.proc.wait()
+
+    async def remove(self) -> None:
+        await self.kill()
+        task = getattr(self, "_stderr_task", None)
+        if task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 1.0)
+        self.backend._live.discard(self.spec.session_id)
+        self.session_dir.remove()
+
+    def usage(self) -> ResourceUsage:
+        sup = self._find_supervisor()
+        if sup is None:
+            return ResourceUsage()
+        cpu = 0.0
+        rss = 0
+        try:
+            for proc in [sup, *sup.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    times = proc.cpu_times()
+                    cpu += times.user + times.system + times.children_user + times.children_system
+                    rss += proc.memory_info().rss
+        except psutil.Error:
+            return ResourceUsage()
+        self._peak = max(self._peak, rss)
+        return ResourceUsage(cpu_seconds=cpu, memory_bytes=rss, peak_memory_bytes=self._peak)
+
+    def reset_peak(self) -> None:
+        self._peak = 0
