@@ -34,3 +34,62 @@ def settings(tmp_path: Path) -> Settings:
         data_dir=tmp_path / "data",
         run_dir=Path("/tmp/khrun") if os.geteuid() else Path("/run/kernelhub-test"),
     )
+
+
+def docker_problem(image: str) -> str | None:
+    """Why the Docker tier cannot run here, or None if it can."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=10)
+        try:
+            client.ping()
+            labels = client.images.get(image).labels or {}
+        finally:
+            client.close()
+    except Exception as exc:  # any failure means "not available"; the reason is reported
+        return f"Docker or the kernel image {image} is unavailable: {exc}"
+    from kernelhub import KERNEL_PROTOCOL_VERSION
+
+    if labels.get("org.kernelhub.protocol") != KERNEL_PROTOCOL_VERSION:
+        return f"kernel image {image} is for another protocol; run `kernelhub image build`"
+    return None
+
+
+_docker_checked: list[str | None] = []
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Docker tests skip on a laptop without Docker; with KERNELHUB_REQUIRE_DOCKER=1 (CI)
+    they fail instead, so CI can never pass without running them."""
+    if item.get_closest_marker("docker") is None:
+        return
+    if not _docker_checked:
+        _docker_checked.append(docker_problem(load_settings().docker.image))
+    problem = _docker_checked[0]
+    if problem is None:
+        return
+    if os.environ.get("KERNELHUB_REQUIRE_DOCKER") == "1":
+        pytest.fail(f"KERNELHUB_REQUIRE_DOCKER=1 but {problem}", pytrace=False)
+    pytest.skip(problem)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_everything_this_run_made() -> object:
+    """Session finalizer: every container and directory labelled with this run goes."""
+    yield
+    try:
+        import docker
+
+        client = docker.from_env(timeout=30)
+        for c in client.containers.list(
+            all=True, filters={"label": f"org.kernelhub.instance={RUN_INSTANCE}"}
+        ):
+            c.remove(force=True)
+        client.close()
+    except Exception:
+        pass
+    import shutil
+
+    for base in (Path("/tmp/khrun"), Path("/run/kernelhub-test")):
+        shutil.rmtree(base / RUN_INSTANCE, ignore_errors=True)

@@ -316,26 +316,41 @@ class KernelSession:
     # -- internals: the kernel connection ---------------------------------------------
 
     async def _connect(self, *, timeout: float, starting: bool) -> None:
-        """Wait for the kernel's sockets, check them, connect, and handshake."""
+        """Wait for the kernel's sockets, check them, connect, and handshake.
+
+        Our sockets never reconnect on their own (see ``kernel.client``), so a connection
+        made to a socket file the kernel has not started listening on yet is dropped and
+        retried here, re-checking the files each time.
+        """
         deadline = time.monotonic() + timeout
         sdir = self.sandbox.session_dir
-        while not sdir.sockets_present():
-            await self._check_not_dead(starting)
+        while True:
+            while not sdir.sockets_present():
+                await self._check_not_dead(starting)
+                if time.monotonic() > deadline:
+                    raise SandboxStartError(
+                        f"kernel did not open its sockets within {timeout:g} s; "
+                        "raise KERNELHUB_ENGINE__START_TIMEOUT if the machine is slow",
+                        log_tail=await self.sandbox.log_tail(),
+                    )
+                await asyncio.sleep(_POLL_INTERVAL)
+            client = connect_client(sdir)
+            try:
+                ready = await self._handshake(
+                    client, min(deadline, time.monotonic() + 2.0), starting
+                )
+            except BaseException:
+                disconnect_client(client)
+                raise
+            if ready:
+                break
+            disconnect_client(client)
             if time.monotonic() > deadline:
                 raise SandboxStartError(
-                    f"kernel did not open its sockets within {timeout} s; "
-                    "raise KERNELHUB_ENGINE__START_TIMEOUT if the machine is slow",
+                    f"kernel did not answer kernel_info within {timeout:g} s",
                     log_tail=await self.sandbox.log_tail(),
                 )
-            await asyncio.sleep(_POLL_INTERVAL)
-        client = connect_client(sdir)
         self._client = client
-        try:
-            await self._handshake(client, deadline, starting)
-        except BaseException:
-            self._client = None
-            disconnect_client(client)
-            raise
         self._pumps = [
             asyncio.create_task(self._pump(client.iopub_channel), name="kernelhub-iopub"),
             asyncio.create_task(self._pump(client.shell_channel), name="kernelhub-shell"),
@@ -345,38 +360,34 @@ class KernelSession:
     async def _check_not_dead(self, starting: bool) -> None:
         wait = asyncio.ensure_future(self.sandbox.wait_exit())
         await asyncio.sleep(0)
-        if wait.done():
-            info = wait.result()
-            raise (
-                SandboxStartError(
-                    f"kernel exited while starting: {info.reason}",
-                    log_tail=await self.sandbox.log_tail(),
-                )
-                if starting
-                else KernelDiedError(info.reason)
+        if not wait.done():
+            wait.cancel()
+            return
+        info = wait.result()
+        if starting:
+            raise SandboxStartError(
+                f"kernel exited while starting: {info.reason}",
+                log_tail=await self.sandbox.log_tail(),
             )
-        wait.cancel()
+        raise KernelDiedError(info.reason)
 
-    async def _handshake(
-        self, client: SandboxKernelClient, deadline: float, starting: bool
-    ) -> None:
+    async def _handshake(self, client: SandboxKernelClient, until: float, starting: bool) -> bool:
         """kernel_info until both shell answers and iopub carries the request's status
-        (so the iopub subscription is live before the first cell: no lost output)."""
-        while True:
-            if time.monotonic() > deadline:
-                raise SandboxStartError(
-                    "kernel did not answer kernel_info in time",
-                    log_tail=await self.sandbox.log_tail(),
-                )
+        (so the iopub subscription is live before the first cell: no lost output).
+        False if the kernel did not answer by ``until``."""
+        while time.monotonic() < until:
             await self._check_not_dead(starting)
             msg_id = client.kernel_info()
-            reply = await self._read_reply(client.shell_channel, msg_id, 1.0)
+            reply = await self._read_reply(
+                client.shell_channel, msg_id, min(1.0, until - time.monotonic())
+            )
             if reply is None:
                 continue
             if await self._read_reply(client.iopub_channel, msg_id, 0.5) is None:
                 continue
             self.kernel_info = dict(reply.get("content") or {})
-            return
+            return True
+        return False
 
     @staticmethod
     async def _read_reply(channel: Any, msg_id: str, timeout: float) -> dict[str, Any] | None:
@@ -641,12 +652,14 @@ class KernelSession:
             await asyncio.sleep(_POLL_INTERVAL)
         await self._connect(timeout=max(deadline - time.monotonic(), 1.0), starting=False)
 
-    def _socket_inodes(self) -> dict[int, int]:
+    def _socket_inodes(self) -> dict[int, tuple[int, int]]:
+        """Identity of each socket file; inode numbers alone are reused after unlink."""
         ipc = self.sandbox.session_dir.ipc_dir
         inodes = {}
         for port in PORTS.values():
             try:
-                inodes[port] = os.lstat(ipc / f"{SOCKET_PREFIX}-{port}").st_ino
+                st = os.lstat(ipc / f"{SOCKET_PREFIX}-{port}")
+                inodes[port] = (st.st_ino, st.st_ctime_ns)
             except OSError:
                 pass
         return inodes

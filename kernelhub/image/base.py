@@ -42,7 +42,6 @@ from kernelhub.image.docker_errors import docker_errors
 from kernelhub.image.process import format_tail, run_streaming
 from kernelhub.image.wheels import TargetPlatform, normalize_machine
 
-
 #: Packages on top of ``--variant=minbase`` (which is dpkg, apt, coreutils, bash, ...).
 DEBOOTSTRAP_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 _STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -21,7 +21,7 @@ from kernelhub.kernel.connection import PORTS, SIGNATURE_SCHEME, SessionDir
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-class SandboxKernelClient(AsyncKernelClient):  # type: ignore[misc]
+class SandboxKernelClient(AsyncKernelClient):
     """An ``AsyncKernelClient`` whose sockets are connected to pre-checked descriptors."""
 
     _socket_fds: dict[str, int]

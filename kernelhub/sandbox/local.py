@@ -260,7 +260,8 @@ class LocalSandbox(Sandbox):
         try:
             root = psutil.Process(self.proc.pid)
             for proc in [root, *root.children(recursive=True)]:
-                if "kernelhub_kernel.supervisor" in proc.cmdline():
+                # bwrap's own command line names the supervisor too; match the python one.
+                if proc.cmdline()[1:3] == ["-m", "kernelhub_kernel.supervisor"]:
                     self._supervisor = proc
                     return proc
         except psutil.Error:

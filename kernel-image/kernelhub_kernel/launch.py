@@ -1,0 +1,66 @@
+"""The kernel process: ``python -m kernelhub_kernel.launch -f CONNECTION_FILE``.
+
+Started by the supervisor, never by the host directly. Applies ``patches``, then runs
+ipykernel's ``IPKernelApp`` with the command line as given.
+
+Environment read here:
+
+* ``KERNELHUB_FLUSH_INTERVAL``: seconds between two publications of buffered output
+  (default 0.005).
+* ``PYTEST_CURRENT_TEST`` is removed: it leaks in from a test run on the host, and user
+  code should not believe it runs under pytest.
+* ``IPYTHONDIR`` is kept if set, otherwise pointed at a private temp directory.
+"""
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from kernelhub_kernel import patches
+
+FLUSH_INTERVAL_ENV = "KERNELHUB_FLUSH_INTERVAL"
+
+
+def flush_interval_from(environ: Mapping[str, str]) -> float:
+    raw = environ.get(FLUSH_INTERVAL_ENV)
+    if raw is None:
+        return patches.DEFAULT_FLUSH_INTERVAL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise SystemExit(
+            f"{FLUSH_INTERVAL_ENV} must be a number of seconds, 0 or more, such as 0.005;"
+            f" got {raw!r}"
+        )
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    flush_interval = flush_interval_from(os.environ)
+    os.environ.pop("PYTEST_CURRENT_TEST", None)
+    state_dir = patches.keep_state_out_of_home(os.environ)
+    if state_dir is not None:
+        patches.relocate_jedi_cache(os.path.join(state_dir, "jedi"))
+    patches.run_threads_in_starting_context()
+    patches.install_confirm()
+
+    # Imported after the environment is settled: IPython reads some of it at import.
+    from ipykernel.kernelapp import IPKernelApp
+    from traitlets.config import Config
+
+    config = Config()
+    patches.stream_output_live(config, flush_interval)
+    patches.disable_history(config)
+    # What IPKernelApp.launch_instance() does, with our hooks between init and start.
+    app = IPKernelApp.instance(config=config)
+    app.initialize(None if argv is None else list(argv))
+    streams = [s for s in (sys.stdout, sys.stderr) if isinstance(s, patches.SandboxOutStream)]
+    patches.deliver_fd_output_in_its_cell(app.shell, streams)
+    patches.stop_output_history(app.shell)
+    app.start()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,402 @@
+"""Building the kernel image (``kernelhub image build``) and checking it before use.
+
+Two entry points:
+
+- :func:`build_image` — called by the CLI. Base image -> wheels on the host -> docker build
+  with the network disabled -> :func:`check_image`. Every step is announced through
+  ``progress`` and pip, debootstrap and docker build output is streamed through it line by
+  line. Never contacts a container registry unless ``base="python-slim"`` is asked for.
+- :func:`check_image` — called by the docker backend when it starts: the configured image
+  exists and speaks our kernel protocol, or :class:`ImageError` says how to fix it.
+
+Both raise only :mod:`kernelhub.errors` types; docker SDK errors are translated by
+:func:`kernelhub.image.docker_errors.docker_errors`.
+"""
+
+from __future__ import annotations
+
+import tarfile
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import docker
+import docker.errors
+from pydantic import BaseModel, ConfigDict
+
+import kernelhub
+from kernelhub import KERNEL_PROTOCOL_VERSION, __version__
+from kernelhub.config import Settings
+from kernelhub.errors import ImageBuildError, ImageError
+from kernelhub.image import (
+    DEBIAN_MIRROR,
+    LABEL_MANAGED,
+    LABEL_PROTOCOL,
+    LABEL_PYTHON,
+    LABEL_ROLE,
+    LABEL_VERSION,
+)
+from kernelhub.image.base import build_debootstrap_base, find_base_image, probe_platform
+from kernelhub.image.docker_errors import docker_errors
+from kernelhub.image.process import TAIL_LINES, format_tail
+from kernelhub.image.wheels import download_wheels
+
+BaseChoice = Literal["auto", "debootstrap", "python-slim"]
+#: The registry image ``base="python-slim"`` builds on (only when asked for explicitly).
+PYTHON_SLIM = "python:3.11-slim"
+_BUILD_CONTEXT_SKIP = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache"})
+_MTIME_FLOOR = 315532800  # 1980-01-01: keeps zip-based tools happy with copied files
+
+
+class ImageInfo(BaseModel):
+    """A kernel image kernelhub has checked and will use."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    id: str
+    protocol: str
+    kernelhub_version: str | None = None
+    python_version: str | None = None
+    size_bytes: int
+
+
+def _discard(_line: str) -> None:
+    pass
+
+
+# ---------------------------------------------------------------------------- check
+
+
+def image_info(
+    name: str, image_id: str, labels: Mapping[str, str] | None, size_bytes: int
+) -> ImageInfo:
+    """Decide whether an image with these labels is usable as the kernel image.
+
+    Raises :class:`ImageError` naming the image, what was found, what is needed and how to
+    rebuild, when the protocol label is missing or differs from ``KERNEL_PROTOCOL_VERSION``.
+    """
+    labels = labels or {}
+    protocol = labels.get(LABEL_PROTOCOL)
+    if protocol is None:
+        raise ImageError(
+            f"image {name} is not a kernelhub kernel image (it has no {LABEL_PROTOCOL} "
+            "label); build one with `kernelhub image build`, or point "
+            "KERNELHUB_DOCKER__IMAGE at one"
+        )
+    if protocol != KERNEL_PROTOCOL_VERSION:
+        built_by = labels.get(LABEL_VERSION, "an unknown version")
+        raise ImageError(
+            f"kernel image {name} was built for kernel protocol {protocol!r} (by kernelhub "
+            f"{built_by}) but kernelhub {__version__} needs protocol "
+            f"{KERNEL_PROTOCOL_VERSION!r}; rebuild it with `kernelhub image build`"
+        )
+    return ImageInfo(
+        name=name,
+        id=image_id,
+        protocol=protocol,
+        kernelhub_version=labels.get(LABEL_VERSION),
+        python_version=labels.get(LABEL_PYTHON),
+        size_bytes=size_bytes,
+    )
+
+
+def check_image(client: docker.DockerClient, image_name: str) -> ImageInfo:
+    """Look up ``image_name`` locally (never pulls) and check it is a kernel image for our
+    protocol. Called by the docker backend at start; raises :class:`ImageError`."""
+    with docker_errors(f"inspecting kernel image {image_name}", error=ImageError):
+        try:
+            image = client.images.get(image_name)
+        except docker.errors.ImageNotFound as exc:
+            raise ImageError(
+                f"kernel image {image_name} not found; build it with `kernelhub image build`"
+            ) from exc
+    attrs: dict[str, Any] = image.attrs or {}
+    return image_info(image_name, str(image.id), image.labels, int(attrs.get("Size") or 0))
+
+
+# ---------------------------------------------------------------------------- build
+
+
+def kernel_image_dir() -> Path:
+    """The ``kernel-image`` directory: packaged in the wheel as ``kernelhub/_kernel_image``,
+    or ``<repo>/kernel-image`` in a source checkout."""
+    package = Path(kernelhub.__file__).resolve().parent
+    candidates = (package / "_kernel_image", package.parent / "kernel-image")
+    for candidate in candidates:
+        if (candidate / "Dockerfile").is_file():
+            return candidate
+    raise ImageBuildError(
+        "cannot find the kernel image sources (Dockerfile, requirements.txt, "
+        f"kernelhub_kernel/); looked in {', '.join(str(c) for c in candidates)}. "
+        "Reinstall kernelhub"
+    )
+
+
+def build_image(
+    settings: Settings,
+    *,
+    base: BaseChoice | str = "auto",
+    mirror: str = DEBIAN_MIRROR,
+    progress: Callable[[str], None] = _discard,
+    client: docker.DockerClient | None = None,
+    nocache: bool = False,
+) -> ImageInfo:
+    """Build the kernel image tagged ``settings.docker.image`` and return its checked info.
+
+    ``base``:
+      ``auto``         the local debootstrapped base (:data:`~kernelhub.image.BASE_IMAGE`),
+                       made with debootstrap first if there is none; never contacts a
+                       registry;
+      ``debootstrap``  (re)make that base with debootstrap from ``mirror``, then build;
+      ``python-slim``  ``python:3.11-slim``, pulled from its registry if not local;
+      anything else    an image name that must already exist locally.
+
+    Wheels are downloaded on the host into ``settings.data_dir / "wheels"`` (cached per
+    lock and platform). ``client`` defaults to one made from ``settings.docker``.
+    Raises :class:`ImageBuildError`, or :class:`BackendUnavailableError` when no Docker
+    daemon answers.
+    """
+    started = time.monotonic()
+    own_client = client is None
+    if client is None:
+        client = _make_client(settings)
+    try:
+        tag = settings.docker.image
+        sources = kernel_image_dir()
+
+        progress(f"==> [1/4] base image ({base})")
+        base_image = _resolve_base(client, base, mirror=mirror, progress=progress)
+        target = probe_platform(client, base_image)
+        progress(
+            f"base {base_image}: CPython {target.python_version} on {target.machine}, "
+            f"glibc {target.glibc[0]}.{target.glibc[1]}"
+        )
+
+        progress("==> [2/4] wheels (pip download on the host)")
+        wheels = download_wheels(
+            sources / "requirements.txt", settings.data_dir / "wheels", target, progress
+        )
+
+        progress(f"==> [3/4] docker build {tag} (network disabled)")
+        step_started = time.monotonic()
+        with tempfile.TemporaryFile() as context:
+            write_context(context, sources, wheels)
+            context.seek(0)
+            image_id = _docker_build(
+                client,
+                context,
+                tag=tag,
+                buildargs={
+                    "BASE": base_image,
+                    "KERNELHUB_PROTOCOL": KERNEL_PROTOCOL_VERSION,
+                    "KERNELHUB_VERSION": __version__,
+                },
+                labels={
+                    LABEL_PROTOCOL: KERNEL_PROTOCOL_VERSION,
+                    LABEL_VERSION: __version__,
+                    LABEL_MANAGED: "true",
+                    LABEL_PYTHON: target.python_version,
+                    LABEL_ROLE: "kernel",
+                },
+                nocache=nocache,
+                progress=progress,
+            )
+        progress(f"docker build finished in {time.monotonic() - step_started:.1f} s")
+
+        progress(f"==> [4/4] checking {tag}")
+        info = check_image(client, tag)
+        if info.id != image_id:
+            raise ImageBuildError(
+                f"docker build produced {image_id} but {tag} is {info.id}; "
+                "another build may have run at the same time, retry"
+            )
+        progress(
+            f"built {tag} ({info.id[:19]}, {info.size_bytes / 2**20:.1f} MiB) "
+            f"in {time.monotonic() - started:.1f} s"
+        )
+        return info
+    finally:
+        if own_client:
+            client.close()
+
+
+def _make_client(settings: Settings) -> docker.DockerClient:
+    with docker_errors("connecting to the Docker daemon"):
+        if settings.docker.base_url:
+            return docker.DockerClient(base_url=settings.docker.base_url)
+        return docker.from_env()
+
+
+def _resolve_base(
+    client: docker.DockerClient, base: str, *, mirror: str, progress: Callable[[str], None]
+) -> str:
+    if base == "auto":
+        found = find_base_image(client)
+        if found is not None:
+            progress(f"using the local base image {found}")
+            return found
+        progress("no local kernelhub base image; making one with debootstrap")
+        return build_debootstrap_base(client, mirror=mirror, progress=progress)
+    if base == "debootstrap":
+        return build_debootstrap_base(client, mirror=mirror, progress=progress)
+    name = PYTHON_SLIM if base == "python-slim" else base
+    with docker_errors(f"looking up base image {name}"):
+        try:
+            client.images.get(name)
+            progress(f"using the local base image {name}")
+            return name
+        except docker.errors.ImageNotFound:
+            if base != "python-slim":
+                raise ImageBuildError(
+                    f"base image {name} is not present locally; kernelhub never pulls an "
+                    f"arbitrary base. Run `docker pull {name}` first, or use "
+                    "--base auto (a debootstrapped Debian, no registry needed)"
+                ) from None
+        progress(f"pulling {name} from its registry (asked for with base=python-slim)")
+        repository, _, tag = name.partition(":")
+        client.images.pull(repository, tag=tag or "latest")
+        return name
+
+
+def write_context(fileobj: IO[bytes], sources: Path, wheels: Iterable[Path]) -> None:
+    """Write the docker build context as an uncompressed tar to ``fileobj``.
+
+    It holds ``Dockerfile``, ``requirements.txt``, ``wheels/*.whl`` and
+    ``kernelhub_kernel/`` (caches left out). Members are owned by root with modes
+    normalized to 0644/0755, so the image does not depend on the host checkout's
+    ownership or umask.
+    """
+
+    def normalize(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        if any(part in _BUILD_CONTEXT_SKIP for part in Path(info.name).parts):
+            return None
+        if info.name.endswith((".pyc", ".pyo")):
+            return None
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        info.mode = 0o755 if info.isdir() or info.mode & 0o111 else 0o644
+        info.mtime = max(int(info.mtime), _MTIME_FLOOR)
+        return info
+
+    with tarfile.open(fileobj=fileobj, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("Dockerfile", "requirements.txt"):
+            tar.add(sources / name, arcname=name, filter=normalize)
+        package = sources / "kernelhub_kernel"
+        if not package.is_dir():
+            raise ImageBuildError(f"the in-kernel package {package} is missing")
+        tar.add(package, arcname="kernelhub_kernel", recursive=True, filter=normalize)
+        directory = tarfile.TarInfo("wheels")
+        directory.type = tarfile.DIRTYPE
+        directory.mode = 0o755
+        directory.mtime = _MTIME_FLOOR
+        tar.addfile(directory)
+        for wheel in wheels:
+            tar.add(wheel, arcname=f"wheels/{wheel.name}", filter=normalize)
+
+
+class BuildLog:
+    """Follows a classic ``docker build`` JSON stream: whole output lines, the current
+    step, the output tail since that step began, the built image id, and any error.
+
+    Pure (feed it the decoded chunks); :func:`_docker_build` drives it.
+    """
+
+    def __init__(self) -> None:
+        self.step = "the start"
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.image_id: str | None = None
+        self.error: str | None = None
+        self._partial = ""
+
+    def feed(self, chunk: Mapping[str, Any]) -> list[str]:
+        """Take one decoded chunk; return the complete lines it finished, for display."""
+        lines: list[str] = []
+        if "stream" in chunk:
+            text = self._partial + str(chunk["stream"])
+            *complete, self._partial = text.split("\n")
+            lines.extend(line.rstrip("\r") for line in complete)
+        if isinstance(chunk.get("aux"), Mapping) and "ID" in chunk["aux"]:
+            self.image_id = str(chunk["aux"]["ID"])
+        if chunk.get("error") or chunk.get("errorDetail"):
+            detail = chunk.get("errorDetail") or {}
+            message = chunk.get("error") or (
+                detail.get("message") if isinstance(detail, Mapping) else None
+            )
+            self.error = str(message or detail).strip()
+            lines.append(f"ERROR: {self.error}")
+        elif "status" in chunk:  # e.g. a base image being pulled (python-slim only)
+            lines.append(str(chunk["status"]))
+        for line in lines:
+            if line.startswith("Step ") and " : " in line:
+                self.step = line
+                self.tail.clear()
+            else:
+                self.tail.append(line)
+        return lines
+
+    def finish(self) -> list[str]:
+        """Flush a last line that had no newline."""
+        if not self._partial:
+            return []
+        line, self._partial = self._partial, ""
+        self.tail.append(line)
+        return [line]
+
+
+def _docker_build(
+    client: docker.DockerClient,
+    context: IO[bytes],
+    *,
+    tag: str,
+    buildargs: dict[str, str],
+    labels: dict[str, str],
+    nocache: bool,
+    progress: Callable[[str], None],
+) -> str:
+    log = BuildLog()
+    with docker_errors(f"docker build of {tag}"):
+        chunks = client.api.build(
+            fileobj=context,
+            custom_context=True,
+            tag=tag,
+            buildargs=buildargs,
+            labels=labels,
+            network_mode="none",
+            pull=False,
+            rm=True,
+            forcerm=True,
+            nocache=nocache,
+            decode=True,
+            use_config_proxy=False,
+        )
+        for chunk in chunks:
+            for line in log.feed(chunk):
+                progress(line)
+        for line in log.finish():
+            progress(line)
+    if log.error is not None:
+        raise ImageBuildError(
+            f"docker build of {tag} failed at {log.step}: {log.error}" + format_tail(log.tail)
+        )
+    if log.image_id is None:
+        raise ImageBuildError(
+            f"docker build of {tag} ended without reporting an image id" + format_tail(log.tail)
+        )
+    return log.image_id
+
+
+__all__ = [
+    "PYTHON_SLIM",
+    "BaseChoice",
+    "BuildLog",
+    "ImageInfo",
+    "build_image",
+    "check_image",
+    "image_info",
+    "kernel_image_dir",
+    "write_context",
+]

@@ -1,0 +1,432 @@
+"""The in-kernel package (``kernel-image/kernelhub_kernel``) against real kernels on the host.
+
+Each kernel runs exactly as in a sandbox, minus the sandbox: the supervisor as the
+kernel command, the kernel under it, driven from here with jupyter_client. The supervisor
+is not pid 1 here, so these tests cover its unisolated mode; pid 1 is the Docker tests' job.
+"""
+
+import asyncio
+import os
+import queue
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+
+KERNEL_IMAGE = Path(__file__).resolve().parents[2] / "kernel-image"
+
+# Every timeout below is a multiple of this; raise it on a slow machine.
+TIME_FACTOR = float(os.environ.get("KERNELHUB_TESTS_TIMEOUT_FACTOR", "1"))
+TIMEOUT = 20 * TIME_FACTOR
+
+MIB = 1 << 20
+
+
+@dataclass
+class Cell:
+    """One execute request: its reply and the IOPub messages it is the parent of."""
+
+    msg_id: str
+    reply: dict[str, Any]
+    outputs: list[dict[str, Any]]
+
+    def text(self, name: str = "stdout") -> str:
+        return "".join(
+            m["content"]["text"]
+            for m in self.outputs
+            if m["msg_type"] == "stream" and m["content"]["name"] == name
+        )
+
+    @property
+    def result(self) -> str:
+        for m in self.outputs:
+            if m["msg_type"] == "execute_result":
+                text: str = m["content"]["data"]["text/plain"]
+                return text
+        raise AssertionError(f"no execute_result in {self.outputs}")
+
+
+@dataclass
+class RunningKernel:
+    """A supervisor + kernel and a client; ``iopub`` is every IOPub message read, in order."""
+
+    km: AsyncKernelManager
+    kc: AsyncKernelClient
+    log_path: Path
+    iopub: list[dict[str, Any]] = field(default_factory=list)
+    replies: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def supervisor_pid(self) -> int:
+        pid: int = self.km.provisioner.process.pid  # type: ignore[union-attr]
+        return pid
+
+    async def read_iopub_until(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = TIMEOUT
+    ) -> dict[str, Any]:
+        """The first message, already read or read now, for which predicate is true."""
+        for msg in self.iopub:
+            if predicate(msg):
+                return msg
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no matching IOPub message within {timeout} s")
+            try:
+                msg = await self.kc.get_iopub_msg(timeout=remaining)
+            except queue.Empty:
+                continue
+            self.iopub.append(msg)
+            if predicate(msg):
+                return msg
+
+    async def reply_to(self, msg_id: str, timeout: float = TIMEOUT) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while msg_id not in self.replies:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no reply to {msg_id} within {timeout} s")
+            try:
+                msg = await self.kc.get_shell_msg(timeout=remaining)
+            except queue.Empty:
+                continue
+            self.replies[msg["parent_header"]["msg_id"]] = msg
+        return self.replies[msg_id]
+
+    def sent_by(self, msg_id: str) -> list[dict[str, Any]]:
+        return [m for m in self.iopub if m["parent_header"].get("msg_id") == msg_id]
+
+    async def wait_cell(self, msg_id: str, timeout: float = TIMEOUT) -> Cell:
+        await self.read_iopub_until(lambda m: _is_idle(m, msg_id), timeout)
+        reply = await self.reply_to(msg_id, timeout)
+        return Cell(msg_id, reply["content"], self.sent_by(msg_id))
+
+    async def execute(self, code: str, timeout: float = TIMEOUT, **kwargs: Any) -> Cell:
+        return await self.wait_cell(self.kc.execute(code, **kwargs), timeout)
+
+    async def exit_status(self, timeout: float = TIMEOUT) -> int:
+        """The supervisor's exit status, once it has exited."""
+        deadline = time.monotonic() + timeout
+        while await self.km.is_alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"supervisor still running after {timeout} s")
+            await asyncio.sleep(0.02)
+        status: int = self.km.provisioner.process.returncode  # type: ignore[union-attr]
+        return status
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _is_idle(msg: dict[str, Any], msg_id: str) -> bool:
+    return (
+        msg["msg_type"] == "status"
+        and msg["content"]["execution_state"] == "idle"
+        and msg["parent_header"].get("msg_id") == msg_id
+    )
+
+
+StartKernel = Callable[..., Awaitable[RunningKernel]]
+
+
+@pytest.fixture
+async def start_kernel(tmp_path: Path) -> AsyncIterator[StartKernel]:
+    """Factory: start supervisor + kernel with extra environment; all shut down at the end."""
+    spec_dir = tmp_path / "kernels" / "kernelhub-test"
+    spec_dir.mkdir(parents=True)
+    spec = KernelSpec(
+        argv=[
+            sys.executable,
+            "-m",
+            "kernelhub_kernel.supervisor",
+            "--connection-file",
+            "{connection_file}",
+        ],
+        display_name="kernelhub test",
+        language="python",
+        interrupt_mode="signal",
+    )
+    (spec_dir / "kernel.json").write_text(spec.to_json())
+    spec_manager = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
+    started: list[tuple[RunningKernel, IO[bytes]]] = []
+
+    async def start(**extra_env: str) -> RunningKernel:
+        n = len(started)
+        home = tmp_path / f"home-{n}"
+        temp = tmp_path / f"tmp-{n}"
+        home.mkdir()
+        temp.mkdir()
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in {"IPYTHONDIR", "MPLCONFIGDIR", "KERNELHUB_FLUSH_INTERVAL"}
+        }
+        # Keep PYTEST_CURRENT_TEST: the kernel must watch its fds despite it.
+        env.update(
+            PYTHONPATH=os.pathsep.join(
+                p for p in (str(KERNEL_IMAGE), os.environ.get("PYTHONPATH")) if p
+            ),
+            HOME=str(home),
+            TMPDIR=str(temp),
+            MPLBACKEND="module://matplotlib_inline.backend_inline",
+            MPLCONFIGDIR=str(temp / "mplconfig"),
+            **extra_env,
+        )
+        km = AsyncKernelManager(kernel_spec_manager=spec_manager, kernel_name="kernelhub-test")
+        km.connection_file = str(tmp_path / f"kernel-{n}.json")
+        log_path = tmp_path / f"kernel-{n}.log"
+        log = log_path.open("wb")
+        await km.start_kernel(env=env, stdout=log, stderr=log)
+        kc = km.client()
+        kernel = RunningKernel(km, kc, log_path)
+        started.append((kernel, log))
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=TIMEOUT)
+        return kernel
+
+    yield start
+
+    for kernel, log in started:
+        kernel.kc.stop_channels()
+        try:
+            await kernel.km.shutdown_kernel(now=not await kernel.km.is_alive())
+        finally:
+            log.close()
+
+
+async def test_print_streams_without_waiting_for_the_cell(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    latencies = []
+    for _ in range(5):
+        sent = time.monotonic()
+        msg_id = kernel.kc.execute("import time\nprint('x')\ntime.sleep(0.5)")
+        first = await kernel.read_iopub_until(
+            lambda m, msg_id=msg_id: m["msg_type"] == "stream"
+            and m["parent_header"].get("msg_id") == msg_id
+        )
+        latencies.append(time.monotonic() - sent)
+        assert first["content"]["text"] == "x\n"
+        cell = await kernel.wait_cell(msg_id)
+        assert cell.reply["status"] == "ok"
+    latencies.sort()
+    print(f"first print latency, sorted: {[round(s * 1000, 1) for s in latencies]} ms")
+    # ipykernel's own interval would make this 200 ms or more.
+    assert latencies[len(latencies) // 2] < 0.1
+
+
+async def test_flush_interval_can_be_set(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel(KERNELHUB_FLUSH_INTERVAL="0.4")
+    sent = time.monotonic()
+    msg_id = kernel.kc.execute("import time\nprint('x')\ntime.sleep(1)")
+    await kernel.read_iopub_until(
+        lambda m: m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == msg_id
+    )
+    assert time.monotonic() - sent >= 0.35
+    await kernel.wait_cell(msg_id)
+
+
+async def test_large_output_is_split_into_bounded_messages(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    cell = await kernel.execute("print('x' * (5 * 2**20))")
+    streams = [m["content"]["text"] for m in cell.outputs if m["msg_type"] == "stream"]
+    assert len(streams) >= 5
+    assert all(len(text.encode()) <= MIB for text in streams)
+    assert "".join(streams) == "x" * (5 * MIB) + "\n"
+
+    # The bound is on UTF-8 bytes: 2- and 4-byte characters, no character cut in two.
+    cell = await kernel.execute("print('é' * 2**20 + '😀' * 2**19, end='')")
+    streams = [m["content"]["text"] for m in cell.outputs if m["msg_type"] == "stream"]
+    assert len(streams) >= 4
+    assert all(len(text.encode()) <= MIB for text in streams)
+    assert "".join(streams) == "é" * MIB + "😀" * (MIB // 2)
+
+
+async def test_thread_output_stays_with_the_cell_that_started_it(
+    start_kernel: StartKernel,
+) -> None:
+    kernel = await start_kernel()
+    cell_a = await kernel.execute(
+        "import threading, time\n"
+        "from IPython.display import display\n"
+        "def late():\n"
+        "    for n in range(40):\n"
+        "        time.sleep(0.05)\n"
+        "        print(f'A-late-{n}')\n"
+        "        if n == 20:\n"
+        "            display('A-late-display')\n"
+        "threading.Thread(target=late, daemon=True).start()\n"
+    )
+    assert cell_a.reply["status"] == "ok"
+
+    later_cells = []
+    thread_ends = time.monotonic() + 2
+    while time.monotonic() < thread_ends:
+        n = len(later_cells)
+        later_cells.append(await kernel.execute(f"print('B-{n}')\ntime.sleep(0.1)"))
+    await kernel.read_iopub_until(
+        lambda m: m["msg_type"] == "stream" and "A-late-39" in m["content"]["text"]
+    )
+
+    assert len(later_cells) >= 5
+    for n, cell in enumerate(later_cells):
+        assert cell.text() == f"B-{n}\n"
+        assert not [m for m in cell.outputs if m["msg_type"] == "display_data"]
+    late_streams = [
+        m for m in kernel.iopub if m["msg_type"] == "stream" and "A-late" in m["content"]["text"]
+    ]
+    assert {m["parent_header"]["msg_id"] for m in late_streams} == {cell_a.msg_id}
+    late_text = "".join(m["content"]["text"] for m in late_streams)
+    assert late_text == "".join(f"A-late-{n}\n" for n in range(40))
+    displays = [m for m in kernel.iopub if m["msg_type"] == "display_data"]
+    assert [m["parent_header"]["msg_id"] for m in displays] == [cell_a.msg_id]
+    assert displays[0]["content"]["data"]["text/plain"] == "'A-late-display'"
+
+
+async def test_thread_pool_tasks_print_in_the_cell_that_submitted_them(
+    start_kernel: StartKernel,
+) -> None:
+    kernel = await start_kernel()
+    cell_a = await kernel.execute(
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "pool = ThreadPoolExecutor(1)\n"
+        "pool.submit(print, 'A-task').result()\n"
+    )
+    cell_b = await kernel.execute("pool.submit(print, 'B-task').result()")
+    assert (cell_a.text(), cell_b.text()) == ("A-task\n", "B-task\n")
+
+
+async def test_subprocess_output_arrives_in_its_own_cell(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    for n in range(20):
+        cell = await kernel.execute(f"import os\nos.system('echo hi-{n}; echo err-{n} >&2')")
+        # Collected up to the cell's idle status, so it came before the cell ended.
+        assert (cell.text("stdout"), cell.text("stderr")) == (f"hi-{n}\n", f"err-{n}\n")
+    cell = await kernel.execute("import os\nprint(os.environ.get('PYTEST_CURRENT_TEST'))")
+    assert cell.text() == "None\n"
+    # Not echoed to the kernel's original stdout/stderr, the container log in a sandbox.
+    assert "hi-" not in kernel.log()
+    assert "err-" not in kernel.log()
+
+
+async def test_fd_output_between_cells_belongs_to_no_cell(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    cell_a = await kernel.execute(
+        "import subprocess\np = subprocess.Popen('sleep 0.3; echo bg-late', shell=True)"
+    )
+    assert cell_a.text() == ""
+    late = await kernel.read_iopub_until(
+        lambda m: m["msg_type"] == "stream" and "bg-late" in m["content"]["text"]
+    )
+    assert late["parent_header"] == {}
+    cell_b = await kernel.execute("print(p.wait())")
+    assert cell_b.text() == "0\n"
+
+
+async def test_sigint_interrupts_the_cell_and_keeps_state(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    await kernel.execute("x = 42")
+    for code in ("import time\ntime.sleep(60)", "import subprocess\nsubprocess.run(['sleep', '60'])"):
+        msg_id = kernel.kc.execute(code)
+        await kernel.read_iopub_until(
+            lambda m, msg_id=msg_id: m["msg_type"] == "execute_input"
+            and m["parent_header"].get("msg_id") == msg_id
+        )
+        interrupted = time.monotonic()
+        await kernel.km.interrupt_kernel()  # SIGINT to the supervisor's process group
+        cell = await kernel.wait_cell(msg_id, timeout=2 * TIME_FACTOR)
+        assert time.monotonic() - interrupted < 2 * TIME_FACTOR
+        assert (cell.reply["status"], cell.reply["ename"]) == ("error", "KeyboardInterrupt")
+    assert (await kernel.execute("x")).result == "42"
+
+
+async def test_sighup_replaces_the_kernel(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    old_pid = int((await kernel.execute("import os\nx = 1\nos.getpid()")).result)
+    await kernel.km.signal_kernel(signal.SIGHUP)
+
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        assert time.monotonic() < deadline, "no new kernel answered after SIGHUP"
+        try:
+            # A request that reached the dying kernel gets no answer: ask again.
+            cell = await kernel.execute("import os\nos.getpid()", timeout=2 * TIME_FACTOR)
+        except TimeoutError:
+            continue
+        if int(cell.result) != old_pid:
+            break
+    with pytest.raises(ProcessLookupError):
+        os.kill(old_pid, 0)
+    cell = await kernel.execute("x")
+    assert cell.reply["ename"] == "NameError"
+    assert await kernel.km.is_alive()
+
+
+async def test_sigterm_stops_supervisor_and_kernel(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    kernel_pid = int((await kernel.execute("import os\nos.getpid()")).result)
+    await kernel.km.signal_kernel(signal.SIGTERM)
+    assert await kernel.exit_status() == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(kernel_pid, 0)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "line"),
+    [
+        ("import ctypes\nctypes.string_at(0)", 139, "kernel exited with status 139 (SIGSEGV)"),
+        ("import os\nos._exit(3)", 3, "kernel exited with status 3\n"),
+    ],
+)
+async def test_supervisor_exits_with_the_kernels_status(
+    start_kernel: StartKernel, code: str, status: int, line: str
+) -> None:
+    kernel = await start_kernel()
+    kernel.kc.execute(code)
+    assert await kernel.exit_status() == status
+    assert f"kernelhub-supervisor: {line}" in kernel.log()
+
+
+async def test_confirm_asks_the_human(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    for answer, expected in (("yes", "True"), ("Y", "True"), ("n", "False"), ("", "False")):
+        msg_id = kernel.kc.execute("confirm('Delete?')", allow_stdin=True)
+        request = await kernel.kc.get_stdin_msg(timeout=TIMEOUT)
+        assert request["msg_type"] == "input_request"
+        assert "Delete?" in request["content"]["prompt"]
+        kernel.kc.input(answer)
+        assert (await kernel.wait_cell(msg_id)).result == expected
+
+    cell = await kernel.execute("confirm('Delete?')", allow_stdin=False)
+    assert cell.reply["ename"] == "StdinNotImplementedError"
+
+
+async def test_matplotlib_plot_is_a_png(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    cell = await kernel.execute(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])", timeout=3 * TIMEOUT
+    )
+    images = [m for m in cell.outputs if m["msg_type"] == "display_data"]
+    assert len(images) == 1
+    assert "image/png" in images[0]["content"]["data"]
+
+
+async def test_kernel_writes_nothing_to_home(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    await kernel.execute("import json\nprint(json.dumps([1]))")
+    code = "import json\njson.du"
+    msg_id = kernel.kc.complete(code)
+    reply = await kernel.reply_to(msg_id)
+    assert "json.dumps" in reply["content"]["matches"]
+    home = Path((await kernel.execute("import os\nos.environ['HOME']")).result.strip("'"))
+    assert list(home.iterdir()) == []
+    ipython_dir = (await kernel.execute("import IPython\nIPython.paths.get_ipython_dir()")).result
+    assert str(home) not in ipython_dir
