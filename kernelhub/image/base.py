@@ -101,19 +101,20 @@ path-include /usr/share/locale/locale.alias
 def find_base_image(client: docker.DockerClient) -> str | None:
     """The local debootstrapped base (by label, never by pulling), or ``None``.
 
-    Prefers the one tagged :data:`BASE_IMAGE`; returns a tag if it has one, else its id.
+    Only tagged images count; prefers :data:`BASE_IMAGE`, else the newest other tag.
     """
     with docker_errors("looking for the kernelhub base image"):
         images = client.images.list(
             filters={"label": [f"{LABEL_BASE}={BASE_SUITE}", f"{LABEL_ROLE}=base"]}
         )
-    if not images:
+    tagged = [image for image in images if image.tags]  # not a failed build's leftovers
+    if not tagged:
         return None
-    for image in images:
+    for image in tagged:
         if BASE_IMAGE in image.tags:
             return BASE_IMAGE
-    newest = max(images, key=lambda image: str(image.attrs.get("Created", "")))
-    return newest.tags[0] if newest.tags else str(newest.id)
+    newest = max(tagged, key=lambda image: str(image.attrs.get("Created", "")))
+    return str(newest.tags[0])
 
 
 # ---------------------------------------------------------------------------- probe
@@ -225,7 +226,9 @@ def build_debootstrap_base(
     what to install or how to run otherwise. The root file system is made in a temporary
     directory (under ``workdir`` if given) that is removed afterwards, success or not.
     """
-    program = _require_debootstrap()
+    program = require_debootstrap()
+    if shutil.which("tar") is None:
+        raise ImageBuildError("tar is not installed; install it with `apt-get install -y tar`")
     scratch = Path(tempfile.mkdtemp(prefix="kernelhub-rootfs-", dir=workdir))
     rootfs = scratch / "rootfs"
     try:
@@ -251,22 +254,23 @@ def build_debootstrap_base(
         _remove_scratch(scratch, progress)
 
 
-def _require_debootstrap() -> str:
-    if os.geteuid() != 0:
+def require_debootstrap(*, search_path: str | None = None, euid: int | None = None) -> str:
+    """The path of the ``debootstrap`` program, or :class:`ImageBuildError` saying what to
+    install or how to run. ``search_path`` and ``euid`` default to this process's."""
+    if (os.geteuid() if euid is None else euid) != 0:
         raise ImageBuildError(
             "building the Debian base image with debootstrap needs root; run "
             "`sudo kernelhub image build`, or build on a machine where a registry is "
             "reachable with `kernelhub image build --base python-slim`"
         )
-    search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-    program = shutil.which("debootstrap", path=search)
+    if search_path is None:
+        search_path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    program = shutil.which("debootstrap", path=search_path)
     if program is None:
         raise ImageBuildError(
             "debootstrap is not installed; it builds the kernel image's Debian base "
             "without a container registry. Install it with `apt-get install -y debootstrap`"
         )
-    if shutil.which("tar") is None:
-        raise ImageBuildError("tar is not installed; install it with `apt-get install -y tar`")
     return program
 
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 import kernelhub
 from kernelhub import KERNEL_PROTOCOL_VERSION, __version__
-from kernelhub.config import Settings
+from kernelhub.config import Settings, load_settings
 from kernelhub.errors import ImageBuildError, ImageError
 from kernelhub.image import (
     DEBIAN_MIRROR,
@@ -129,7 +129,7 @@ def kernel_image_dir() -> Path:
     for candidate in candidates:
         if (candidate / "Dockerfile").is_file():
             return candidate
-    raise ImageBuildError(
+    raise ImageError(
         "cannot find the kernel image sources (Dockerfile, requirements.txt, "
         f"kernelhub_kernel/); looked in {', '.join(str(c) for c in candidates)}. "
         "Reinstall kernelhub"
@@ -137,39 +137,43 @@ def kernel_image_dir() -> Path:
 
 
 def build_image(
-    settings: Settings,
+    settings: Settings | None = None,
     *,
+    tag: str | None = None,
     base: BaseChoice | str = "auto",
     mirror: str = DEBIAN_MIRROR,
     progress: Callable[[str], None] = _discard,
     client: docker.DockerClient | None = None,
     nocache: bool = False,
 ) -> ImageInfo:
-    """Build the kernel image tagged ``settings.docker.image`` and return its checked info.
+    """Build the kernel image and return its checked :class:`ImageInfo`.
 
-    ``base``:
+    ``tag`` defaults to ``settings.docker.image``. ``base``:
       ``auto``         the local debootstrapped base (:data:`~kernelhub.image.BASE_IMAGE`),
                        made with debootstrap first if there is none; never contacts a
-                       registry;
+                       container registry;
       ``debootstrap``  (re)make that base with debootstrap from ``mirror``, then build;
       ``python-slim``  ``python:3.11-slim``, pulled from its registry if not local;
-      anything else    an image name that must already exist locally.
+      anything else    an image name that must already exist locally (never pulled).
 
-    Wheels are downloaded on the host into ``settings.data_dir / "wheels"`` (cached per
-    lock and platform). ``client`` defaults to one made from ``settings.docker``.
-    Raises :class:`ImageBuildError`, or :class:`BackendUnavailableError` when no Docker
-    daemon answers.
+    Wheels are downloaded on the host into ``settings.data_dir / "wheels"``, cached per
+    lock and platform, so rebuilds are offline. ``client`` defaults to one made from
+    ``settings.docker``. The CLI passes its ``settings``; without them they are loaded
+    from the environment here. Raises :class:`ImageBuildError`, or
+    :class:`BackendUnavailableError` when no Docker daemon answers.
     """
+    if settings is None:
+        settings = load_settings()
+    tag = tag or settings.docker.image
     started = time.monotonic()
     own_client = client is None
     if client is None:
         client = _make_client(settings)
     try:
-        tag = settings.docker.image
         sources = kernel_image_dir()
 
         progress(f"==> [1/4] base image ({base})")
-        base_image = _resolve_base(client, base, mirror=mirror, progress=progress)
+        base_image = resolve_base(client, base, mirror=mirror, progress=progress)
         target = probe_platform(client, base_image)
         progress(
             f"base {base_image}: CPython {target.python_version} on {target.machine}, "
@@ -231,9 +235,11 @@ def _make_client(settings: Settings) -> docker.DockerClient:
         return docker.from_env()
 
 
-def _resolve_base(
+def resolve_base(
     client: docker.DockerClient, base: str, *, mirror: str, progress: Callable[[str], None]
 ) -> str:
+    """The local image to build on for the ``base`` choice (see :func:`build_image`),
+    making the debootstrapped base if needed. Only ``python-slim`` may pull."""
     if base == "auto":
         found = find_base_image(client)
         if found is not None:
@@ -398,5 +404,6 @@ __all__ = [
     "check_image",
     "image_info",
     "kernel_image_dir",
+    "resolve_base",
     "write_context",
 ]

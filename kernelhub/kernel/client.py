@@ -72,6 +72,8 @@ def connect_client(session_dir: SessionDir) -> SandboxKernelClient:
 
 def disconnect_client(client: SandboxKernelClient) -> None:
     client.stop_channels()
+    # Each client owns its context (jupyter_client's default); close it with the sockets.
+    client.context.destroy(linger=0)
     for fd in client._socket_fds.values():
         try:
             os.close(fd)

@@ -7,7 +7,6 @@ is not pid 1 here, so these tests cover its unisolated mode; pid 1 is the Docker
 
 import asyncio
 import os
-import queue
 import signal
 import sys
 import time
@@ -61,6 +60,7 @@ class RunningKernel:
     km: AsyncKernelManager
     kc: AsyncKernelClient
     log_path: Path
+    temp_dir: Path
     iopub: list[dict[str, Any]] = field(default_factory=list)
     replies: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -69,58 +69,40 @@ class RunningKernel:
         pid: int = self.km.provisioner.process.pid  # type: ignore[union-attr]
         return pid
 
-    async def read_iopub_until(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = TIMEOUT
-    ) -> dict[str, Any]:
+    async def read_iopub_until(self, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         """The first message, already read or read now, for which predicate is true."""
         for msg in self.iopub:
             if predicate(msg):
                 return msg
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no matching IOPub message within {timeout} s")
-            try:
-                msg = await self.kc.get_iopub_msg(timeout=remaining)
-            except queue.Empty:
-                continue
-            self.iopub.append(msg)
-            if predicate(msg):
-                return msg
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                msg = await self.kc.get_iopub_msg()
+                self.iopub.append(msg)
+                if predicate(msg):
+                    return msg
 
-    async def reply_to(self, msg_id: str, timeout: float = TIMEOUT) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while msg_id not in self.replies:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no reply to {msg_id} within {timeout} s")
-            try:
-                msg = await self.kc.get_shell_msg(timeout=remaining)
-            except queue.Empty:
-                continue
-            self.replies[msg["parent_header"]["msg_id"]] = msg
+    async def reply_to(self, msg_id: str) -> dict[str, Any]:
+        async with asyncio.timeout(TIMEOUT):
+            while msg_id not in self.replies:
+                msg = await self.kc.get_shell_msg()
+                self.replies[msg["parent_header"]["msg_id"]] = msg
         return self.replies[msg_id]
 
     def sent_by(self, msg_id: str) -> list[dict[str, Any]]:
         return [m for m in self.iopub if m["parent_header"].get("msg_id") == msg_id]
 
-    async def wait_cell(self, msg_id: str, timeout: float = TIMEOUT) -> Cell:
-        await self.read_iopub_until(lambda m: _is_idle(m, msg_id), timeout)
-        reply = await self.reply_to(msg_id, timeout)
+    async def wait_cell(self, msg_id: str) -> Cell:
+        await self.read_iopub_until(lambda m: _is_idle(m, msg_id))
+        reply = await self.reply_to(msg_id)
         return Cell(msg_id, reply["content"], self.sent_by(msg_id))
 
-    async def execute(self, code: str, timeout: float = TIMEOUT, **kwargs: Any) -> Cell:
-        return await self.wait_cell(self.kc.execute(code, **kwargs), timeout)
+    async def execute(self, code: str, **kwargs: Any) -> Cell:
+        return await self.wait_cell(self.kc.execute(code, **kwargs))
 
-    async def exit_status(self, timeout: float = TIMEOUT) -> int:
+    async def exit_status(self) -> int:
         """The supervisor's exit status, once it has exited."""
-        deadline = time.monotonic() + timeout
-        while await self.km.is_alive():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"supervisor still running after {timeout} s")
-            await asyncio.sleep(0.02)
-        status: int = self.km.provisioner.process.returncode  # type: ignore[union-attr]
+        process = self.km.provisioner.process  # type: ignore[union-attr]
+        status: int = await asyncio.to_thread(process.wait, TIMEOUT)
         return status
 
     def log(self) -> str:
@@ -187,7 +169,7 @@ async def start_kernel(tmp_path: Path) -> AsyncIterator[StartKernel]:
         log = log_path.open("wb")
         await km.start_kernel(env=env, stdout=log, stderr=log)
         kc = km.client()
-        kernel = RunningKernel(km, kc, log_path)
+        kernel = RunningKernel(km, kc, log_path, temp)
         started.append((kernel, log))
         kc.start_channels()
         await kc.wait_for_ready(timeout=TIMEOUT)
@@ -210,8 +192,9 @@ async def test_print_streams_without_waiting_for_the_cell(start_kernel: StartKer
         sent = time.monotonic()
         msg_id = kernel.kc.execute("import time\nprint('x')\ntime.sleep(0.5)")
         first = await kernel.read_iopub_until(
-            lambda m, msg_id=msg_id: m["msg_type"] == "stream"
-            and m["parent_header"].get("msg_id") == msg_id
+            lambda m, msg_id=msg_id: (
+                m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == msg_id
+            )
         )
         latencies.append(time.monotonic() - sent)
         assert first["content"]["text"] == "x\n"
@@ -334,15 +317,20 @@ async def test_fd_output_between_cells_belongs_to_no_cell(start_kernel: StartKer
 async def test_sigint_interrupts_the_cell_and_keeps_state(start_kernel: StartKernel) -> None:
     kernel = await start_kernel()
     await kernel.execute("x = 42")
-    for code in ("import time\ntime.sleep(60)", "import subprocess\nsubprocess.run(['sleep', '60'])"):
+    for code in (
+        "import time\ntime.sleep(60)",
+        "import subprocess\nsubprocess.run(['sleep', '60'])",
+    ):
         msg_id = kernel.kc.execute(code)
         await kernel.read_iopub_until(
-            lambda m, msg_id=msg_id: m["msg_type"] == "execute_input"
-            and m["parent_header"].get("msg_id") == msg_id
+            lambda m, msg_id=msg_id: (
+                m["msg_type"] == "execute_input" and m["parent_header"].get("msg_id") == msg_id
+            )
         )
         interrupted = time.monotonic()
         await kernel.km.interrupt_kernel()  # SIGINT to the supervisor's process group
-        cell = await kernel.wait_cell(msg_id, timeout=2 * TIME_FACTOR)
+        async with asyncio.timeout(2 * TIME_FACTOR):
+            cell = await kernel.wait_cell(msg_id)
         assert time.monotonic() - interrupted < 2 * TIME_FACTOR
         assert (cell.reply["status"], cell.reply["ename"]) == ("error", "KeyboardInterrupt")
     assert (await kernel.execute("x")).result == "42"
@@ -358,7 +346,8 @@ async def test_sighup_replaces_the_kernel(start_kernel: StartKernel) -> None:
         assert time.monotonic() < deadline, "no new kernel answered after SIGHUP"
         try:
             # A request that reached the dying kernel gets no answer: ask again.
-            cell = await kernel.execute("import os\nos.getpid()", timeout=2 * TIME_FACTOR)
+            async with asyncio.timeout(2 * TIME_FACTOR):
+                cell = await kernel.execute("import os\nos.getpid()")
         except TimeoutError:
             continue
         if int(cell.result) != old_pid:
@@ -411,9 +400,8 @@ async def test_confirm_asks_the_human(start_kernel: StartKernel) -> None:
 
 async def test_matplotlib_plot_is_a_png(start_kernel: StartKernel) -> None:
     kernel = await start_kernel()
-    cell = await kernel.execute(
-        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])", timeout=3 * TIMEOUT
-    )
+    # The first pyplot import builds matplotlib's font cache in the empty MPLCONFIGDIR.
+    cell = await kernel.execute("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])")
     images = [m for m in cell.outputs if m["msg_type"] == "display_data"]
     assert len(images) == 1
     assert "image/png" in images[0]["content"]["data"]
@@ -425,8 +413,11 @@ async def test_kernel_writes_nothing_to_home(start_kernel: StartKernel) -> None:
     code = "import json\njson.du"
     msg_id = kernel.kc.complete(code)
     reply = await kernel.reply_to(msg_id)
-    assert "json.dumps" in reply["content"]["matches"]
+    assert "dumps" in reply["content"]["matches"]
     home = Path((await kernel.execute("import os\nos.environ['HOME']")).result.strip("'"))
-    assert list(home.iterdir()) == []
+    assert await asyncio.to_thread(os.listdir, home) == []
+    # The state went to a private directory under TMPDIR instead.
+    state_dir = kernel.temp_dir / f"kernelhub-kernel-{os.getuid()}"
     ipython_dir = (await kernel.execute("import IPython\nIPython.paths.get_ipython_dir()")).result
-    assert str(home) not in ipython_dir
+    assert ipython_dir == repr(str(state_dir / "ipython"))
+    assert await asyncio.to_thread(lambda: list((state_dir / "jedi").rglob("*.pkl")))
