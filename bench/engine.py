@@ -186,7 +186,15 @@ async def main() -> None:
             floor_fp.append(await floor_first_print(kc))
             engine_fp.append(await engine_first_print(session))
         f, e = statistics.median(floor_fp), statistics.median(engine_fp)
-        rows.append(("`print('x')` → first stream event (median)", ms(e), f"{ms(f)} (stock kernel)", f"{e / f:.2f}×", "≤ 20 ms"))
+        rows.append(
+            (
+                "`print('x')` → first stream event (median)",
+                ms(e),
+                f"{ms(f)} (stock kernel)",
+                f"{e / f:.2f}×",
+                "≤ 20 ms",
+            )
+        )
 
         if args.backend == "docker":
             client = docker.from_env()
@@ -195,12 +203,22 @@ async def main() -> None:
             for _ in range(args.starts):
                 bare.append(await bare_container_start(client, image, settings.run_dir))
                 t0 = time.perf_counter()
-                s = await KernelSession.start(backend, SandboxSpec(session_id=uuid.uuid4().hex[:12]))
+                s = await KernelSession.start(
+                    backend, SandboxSpec(session_id=uuid.uuid4().hex[:12])
+                )
                 ours.append(time.perf_counter() - t0)
                 await s.close()
             client.close()
             b, o = statistics.median(bare), statistics.median(ours)
-            rows.append(("cold start: create → kernel ready (median)", ms(o), f"{ms(b)} (bare hardened container)", f"{o / b:.2f}×", "≤ 1.1×"))
+            rows.append(
+                (
+                    "cold start: create → kernel ready (median)",
+                    ms(o),
+                    f"{ms(b)} (bare hardened container)",
+                    f"{o / b:.2f}×",
+                    "≤ 1.1×",
+                )
+            )
     finally:
         await session.close()
         await backend.reap_orphans()

@@ -150,12 +150,16 @@ async def _exec(settings: Settings, code: str, timeout: float | None) -> int:
 
 
 def _image_build(settings: Settings, base: str, tag: str | None, mirror: str | None) -> int:
+    from kernelhub.image import DEBIAN_MIRROR
     from kernelhub.image.build import build_image
 
-    kwargs: dict[str, object] = {"base": base, "tag": tag or settings.docker.image}
-    if mirror:
-        kwargs["mirror"] = mirror
-    info = build_image(progress=lambda line: print(line, flush=True), **kwargs)  # type: ignore[arg-type]
+    info = build_image(
+        settings,
+        tag=tag,
+        base=base,
+        mirror=mirror or DEBIAN_MIRROR,
+        progress=lambda line: print(line, flush=True),
+    )
     print(f"built {info.name} ({info.size_bytes / 2**20:.0f} MiB, python {info.python_version})")
     return 0
 

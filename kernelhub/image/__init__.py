@@ -5,9 +5,11 @@ This module holds only the constants of the contract between kernelhub and the i
 the Dockerfile against them. Importing it pulls in nothing heavy: the builder lives in
 :mod:`kernelhub.image.build` (``build_image``, ``check_image``, ``ImageInfo``).
 
-    build.py   build_image(): base -> wheels -> docker build; check_image(); ImageInfo
-    base.py    the base image: find it, debootstrap and import it, probe its Python
-    wheels.py  pip download of the pinned wheels for the base's platform, cached
+    build.py          build_image(): base -> wheels -> docker build; check_image(); ImageInfo
+    base.py           the base image: find it, debootstrap and import it, probe its Python
+    wheels.py         pip download of the pinned wheels for the base's platform, cached
+    docker_errors.py  docker SDK errors -> kernelhub errors, for all of the above
+    process.py        run a host command (pip, debootstrap), streaming its output
 """
 
 from __future__ import annotations

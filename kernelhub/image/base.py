@@ -471,4 +471,6 @@ def _remove_scratch(scratch: Path, progress: Callable[[str], None]) -> None:
     if _mounts_under(scratch):
         progress(f"warning: {scratch} still has mounts below it; unmount and remove it by hand")
         return
+    started = time.monotonic()
     shutil.rmtree(scratch, ignore_errors=True)
+    progress(f"removed the temporary root file system in {time.monotonic() - started:.1f} s")

@@ -15,6 +15,7 @@ Both raise only :mod:`kernelhub.errors` types; docker SDK errors are translated 
 
 from __future__ import annotations
 
+import re
 import tarfile
 import tempfile
 import time
@@ -48,6 +49,7 @@ BaseChoice = Literal["auto", "debootstrap", "python-slim"]
 #: The registry image ``base="python-slim"`` builds on (only when asked for explicitly).
 PYTHON_SLIM = "python:3.11-slim"
 _BUILD_CONTEXT_SKIP = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache"})
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # the builder colours stderr red
 _MTIME_FLOOR = 315532800  # 1980-01-01: keeps zip-based tools happy with copied files
 
 
@@ -145,6 +147,7 @@ def build_image(
     progress: Callable[[str], None] = _discard,
     client: docker.DockerClient | None = None,
     nocache: bool = False,
+    sources: Path | None = None,
 ) -> ImageInfo:
     """Build the kernel image and return its checked :class:`ImageInfo`.
 
@@ -158,8 +161,9 @@ def build_image(
 
     Wheels are downloaded on the host into ``settings.data_dir / "wheels"``, cached per
     lock and platform, so rebuilds are offline. ``client`` defaults to one made from
-    ``settings.docker``. The CLI passes its ``settings``; without them they are loaded
-    from the environment here. Raises :class:`ImageBuildError`, or
+    ``settings.docker``; ``sources`` (Dockerfile, requirements.txt, kernelhub_kernel/) to
+    :func:`kernel_image_dir`. The CLI passes its ``settings``; without them they are
+    loaded from the environment here. Raises :class:`ImageBuildError`, or
     :class:`BackendUnavailableError` when no Docker daemon answers.
     """
     if settings is None:
@@ -170,7 +174,7 @@ def build_image(
     if client is None:
         client = _make_client(settings)
     try:
-        sources = kernel_image_dir()
+        sources = sources or kernel_image_dir()
 
         progress(f"==> [1/4] base image ({base})")
         base_image = resolve_base(client, base, mirror=mirror, progress=progress)
@@ -186,6 +190,7 @@ def build_image(
         )
 
         progress(f"==> [3/4] docker build {tag} (network disabled)")
+        previous_id = _current_id(client, tag)
         step_started = time.monotonic()
         with tempfile.TemporaryFile() as context:
             write_context(context, sources, wheels)
@@ -218,6 +223,8 @@ def build_image(
                 f"docker build produced {image_id} but {tag} is {info.id}; "
                 "another build may have run at the same time, retry"
             )
+        if previous_id is not None and previous_id != info.id:
+            _remove_replaced(client, previous_id, progress)
         progress(
             f"built {tag} ({info.id[:19]}, {info.size_bytes / 2**20:.1f} MiB) "
             f"in {time.monotonic() - started:.1f} s"
@@ -226,6 +233,28 @@ def build_image(
     finally:
         if own_client:
             client.close()
+
+
+def _current_id(client: docker.DockerClient, tag: str) -> str | None:
+    with docker_errors(f"looking up {tag}"):
+        try:
+            return str(client.images.get(tag).id)
+        except docker.errors.ImageNotFound:
+            return None
+
+
+def _remove_replaced(
+    client: docker.DockerClient, image_id: str, progress: Callable[[str], None]
+) -> None:
+    """Remove the image the new build replaced under its tag, unless it still has another
+    tag or a container (even a stopped one) uses it: then Docker refuses and it stays."""
+    try:
+        if client.images.get(image_id).tags:
+            return
+        client.images.remove(image_id)
+        progress(f"removed the replaced image {image_id[:19]}")
+    except docker.errors.APIError as exc:
+        progress(f"kept the replaced image {image_id[:19]}: {exc.explanation or exc}")
 
 
 def _make_client(settings: Settings) -> docker.DockerClient:
@@ -305,8 +334,9 @@ def write_context(fileobj: IO[bytes], sources: Path, wheels: Iterable[Path]) -> 
 
 
 class BuildLog:
-    """Follows a classic ``docker build`` JSON stream: whole output lines, the current
-    step, the output tail since that step began, the built image id, and any error.
+    """Follows a classic ``docker build`` JSON stream: whole output lines (colour codes
+    removed), the current step, the output tail since that step began, the built image
+    id, and any error.
 
     Pure (feed it the decoded chunks); :func:`_docker_build` drives it.
     """
@@ -322,7 +352,7 @@ class BuildLog:
         """Take one decoded chunk; return the complete lines it finished, for display."""
         lines: list[str] = []
         if "stream" in chunk:
-            text = self._partial + str(chunk["stream"])
+            text = self._partial + _ANSI_ESCAPE.sub("", str(chunk["stream"]))
             *complete, self._partial = text.split("\n")
             lines.extend(line.rstrip("\r") for line in complete)
         if isinstance(chunk.get("aux"), Mapping) and "ID" in chunk["aux"]:

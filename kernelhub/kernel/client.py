@@ -7,6 +7,7 @@ and refuse oversized messages so a hostile kernel cannot make the host buffer 30
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -75,8 +76,6 @@ def disconnect_client(client: SandboxKernelClient) -> None:
     # Each client owns its context (jupyter_client's default); close it with the sockets.
     client.context.destroy(linger=0)
     for fd in client._socket_fds.values():
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     client._socket_fds = {}

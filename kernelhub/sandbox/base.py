@@ -131,5 +131,5 @@ class SandboxBackend(abc.ABC):
         """Remove every resource this backend instance's labels mark that no live sandbox
         owns (left by a crashed kernelhub). Returns how many were removed."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, most backends need it
         """Release the backend's own resources (clients, threads)."""

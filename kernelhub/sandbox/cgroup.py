@@ -7,6 +7,7 @@ controllers) and v2 (unified). Where a file is missing the value is None, never 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,10 +82,8 @@ class CgroupFiles:
         """Start a new peak window (v1 always; v2 on kernels ≥ 6.12)."""
         if self.memory_peak is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             self.memory_peak.write_text("0" if not self.v2 else "reset\n")
-        except OSError:
-            pass
 
     def _cpu_seconds(self) -> float | None:
         if self.cpu_usage is None:

@@ -7,9 +7,11 @@ So every sandbox gets ``seccomp.json`` (next to this module) instead: Moby's all
 a container without capabilities, minus io_uring and a few other calls, with ``socket``,
 ``socketpair``, ``clone`` and ``personality`` narrowed by their arguments.
 
-The profile names only 64-bit architectures, so 32-bit (int 0x80) and x32 syscalls match
-no rule at all: the compat ABIs carry multiplexers such as ``socketcall`` whose arguments
-sit in memory, out of seccomp's sight, and would walk around the ``socket`` rules.
+The profile names only 64-bit architectures, so a syscall made through the 32-bit (int 0x80)
+or x32 ABI kills the process with SIGSYS instead of reaching a rule: the compat ABIs carry
+multiplexers such as ``socketcall`` whose arguments sit in memory, out of seccomp's sight.
+With the x86 ABI listed and ``socketcall`` allowed, as in Moby's profile, int 0x80 opens
+an AF_VSOCK socket even where the ``socket`` rules refuse one.
 
 The file is in the Docker/OCI format, so one artefact serves both backends:
 

@@ -14,7 +14,9 @@ SessionFactory = Callable[..., Awaitable[KernelSession]]
 
 
 @pytest.fixture(params=["local", pytest.param("docker", marks=pytest.mark.docker)])
-async def backend(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[SandboxBackend]:
+async def backend(
+    request: pytest.FixtureRequest, settings: Settings
+) -> AsyncIterator[SandboxBackend]:
     if request.param == "local":
         from kernelhub.sandbox.local import LocalBackend
 
@@ -22,7 +24,9 @@ async def backend(request: pytest.FixtureRequest, settings: Settings) -> AsyncIt
     else:
         from kernelhub.sandbox.docker import DockerBackend
 
-        b = DockerBackend(image=settings.docker.image, run_dir=settings.run_dir, instance=RUN_INSTANCE)
+        b = DockerBackend(
+            image=settings.docker.image, run_dir=settings.run_dir, instance=RUN_INSTANCE
+        )
     yield b
     await b.close()
 
@@ -34,7 +38,9 @@ async def open_session(backend: SandboxBackend) -> AsyncIterator[SessionFactory]
 
     async def make(**limits: object) -> KernelSession:
         spec = SandboxSpec(session_id=uuid.uuid4().hex[:12], owner="tests", limits=Limits(**limits))
-        engine = EngineSettings(interrupt_grace=2 * UNIT, restart_grace=20 * UNIT, start_timeout=60 * UNIT)
+        engine = EngineSettings(
+            interrupt_grace=2 * UNIT, restart_grace=20 * UNIT, start_timeout=60 * UNIT
+        )
         session = await KernelSession.start(backend, spec, engine=engine)
         sessions.append(session)
         return session

@@ -67,7 +67,12 @@ async def test_events_stream_in_order_and_end_with_one_final(open_session: Sessi
 
 async def test_cells_queue_in_order(open_session: SessionFactory) -> None:
     s = await open_session()
-    handles = [await s.submit(f"import time; time.sleep(0.05); log = globals().get('log', []) + [{i}]; log") for i in range(4)]
+    handles = [
+        await s.submit(
+            f"import time; time.sleep(0.05); log = globals().get('log', []) + [{i}]; log"
+        )
+        for i in range(4)
+    ]
     results = [await h.wait() for h in handles]
     assert results[-1].text == "[0, 1, 2, 3]"
     starts = [r.record.started_at for r in results]
@@ -100,7 +105,9 @@ async def test_interrupt_returns_fast_and_keeps_variables(open_session: SessionF
     assert (await s.execute("kept")).text == "'yes'"
 
 
-async def test_timeout_ends_with_interrupt_when_the_cell_obeys(open_session: SessionFactory) -> None:
+async def test_timeout_ends_with_interrupt_when_the_cell_obeys(
+    open_session: SessionFactory,
+) -> None:
     s = await open_session()
     await s.execute("kept = 1")
     result = await s.execute("import time\ntime.sleep(60)", timeout=1.0 * UNIT)

@@ -141,7 +141,7 @@ async def start_kernel(tmp_path: Path) -> AsyncIterator[StartKernel]:
     spec_manager = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
     started: list[tuple[RunningKernel, IO[bytes]]] = []
 
-    async def start(**extra_env: str) -> RunningKernel:
+    async def start(*, ready: bool = True, **extra_env: str) -> RunningKernel:
         n = len(started)
         home = tmp_path / f"home-{n}"
         temp = tmp_path / f"tmp-{n}"
@@ -172,7 +172,8 @@ async def start_kernel(tmp_path: Path) -> AsyncIterator[StartKernel]:
         kernel = RunningKernel(km, kc, log_path, temp)
         started.append((kernel, log))
         kc.start_channels()
-        await kc.wait_for_ready(timeout=TIMEOUT)
+        if ready:
+            await kc.wait_for_ready(timeout=TIMEOUT)
         return kernel
 
     yield start
@@ -217,6 +218,12 @@ async def test_flush_interval_can_be_set(start_kernel: StartKernel) -> None:
     await kernel.wait_cell(msg_id)
 
 
+async def test_bad_flush_interval_stops_the_kernel(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel(ready=False, KERNELHUB_FLUSH_INTERVAL="fast")
+    assert await kernel.exit_status() == 1
+    assert "KERNELHUB_FLUSH_INTERVAL must be a number of seconds" in kernel.log()
+
+
 async def test_large_output_is_split_into_bounded_messages(start_kernel: StartKernel) -> None:
     kernel = await start_kernel()
     cell = await kernel.execute("print('x' * (5 * 2**20))")
@@ -231,6 +238,10 @@ async def test_large_output_is_split_into_bounded_messages(start_kernel: StartKe
     assert len(streams) >= 4
     assert all(len(text.encode()) <= MIB for text in streams)
     assert "".join(streams) == "é" * MIB + "😀" * (MIB // 2)
+
+    # IPython 9 would keep a copy of every write in history_manager.outputs.
+    cell = await kernel.execute("len(get_ipython().history_manager.outputs)")
+    assert cell.result == "0"
 
 
 async def test_thread_output_stays_with_the_cell_that_started_it(
@@ -318,13 +329,15 @@ async def test_sigint_interrupts_the_cell_and_keeps_state(start_kernel: StartKer
     kernel = await start_kernel()
     await kernel.execute("x = 42")
     for code in (
-        "import time\ntime.sleep(60)",
-        "import subprocess\nsubprocess.run(['sleep', '60'])",
+        "import time\nprint('started', flush=True)\ntime.sleep(60)",
+        "import subprocess\nprint('started', flush=True)\nsubprocess.run(['sleep', '60'])",
     ):
         msg_id = kernel.kc.execute(code)
+        # Interrupt once user code runs: ipykernel drops the execute_reply (it sends only
+        # the idle status) when KeyboardInterrupt lands in its own code around the cell.
         await kernel.read_iopub_until(
             lambda m, msg_id=msg_id: (
-                m["msg_type"] == "execute_input" and m["parent_header"].get("msg_id") == msg_id
+                m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == msg_id
             )
         )
         interrupted = time.monotonic()

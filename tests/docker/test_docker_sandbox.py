@@ -4,7 +4,6 @@ limits in force, containment of memory and fork bombs, labels and orphan reaping
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -40,7 +39,9 @@ async def sessions(backend: DockerBackend) -> AsyncIterator[list[KernelSession]]
         await s.close()
 
 
-async def start(backend: DockerBackend, made: list[KernelSession], **limits: object) -> KernelSession:
+async def start(
+    backend: DockerBackend, made: list[KernelSession], **limits: object
+) -> KernelSession:
     spec = SandboxSpec(session_id=uuid.uuid4().hex[:12], owner="tests", limits=Limits(**limits))
     s = await KernelSession.start(backend, spec, engine=EngineSettings(start_timeout=60 * UNIT))
     made.append(s)
@@ -126,10 +127,14 @@ async def test_posture_from_outside(backend: DockerBackend, sessions: list[Kerne
     assert usage.memory_bytes is not None and 0 < usage.memory_bytes < 256 * MiB
 
 
-async def test_memory_bomb_dies_alone(backend: DockerBackend, sessions: list[KernelSession]) -> None:
+async def test_memory_bomb_dies_alone(
+    backend: DockerBackend, sessions: list[KernelSession]
+) -> None:
     bomb = await start(backend, sessions, memory_bytes=256 * MiB)
     bystander = await start(backend, sessions)
-    result = await bomb.execute("blocks = []\nwhile True:\n    blocks.append(bytearray(32 * 2**20))", timeout=60 * UNIT)
+    result = await bomb.execute(
+        "blocks = []\nwhile True:\n    blocks.append(bytearray(32 * 2**20))", timeout=60 * UNIT
+    )
     assert result.status == ExecutionStatus.KERNEL_DIED
     assert result.record.reason == "out of memory: limit 256 MiB"
     assert (await bystander.execute("1 + 1")).text == "2"
@@ -162,7 +167,9 @@ async def test_fork_bomb_is_contained_by_the_pids_limit(
     assert (await s.execute("1 + 1")).text == "2"
 
 
-async def test_host_files_are_invisible(backend: DockerBackend, sessions: list[KernelSession], tmp_path: Path) -> None:
+async def test_host_files_are_invisible(
+    backend: DockerBackend, sessions: list[KernelSession], tmp_path: Path
+) -> None:
     secret = tmp_path / f"host-secret-{uuid.uuid4().hex}"
     secret.write_text("host only")
     s = await start(backend, sessions)
@@ -207,7 +214,9 @@ async def test_seccomp_refuses_what_docker_default_allows(
 
 async def test_orphans_are_found_by_label_and_reaped(settings: Settings) -> None:
     instance = f"{RUN_INSTANCE}o"
-    crashed = DockerBackend(image=settings.docker.image, run_dir=settings.run_dir, instance=instance)
+    crashed = DockerBackend(
+        image=settings.docker.image, run_dir=settings.run_dir, instance=instance
+    )
     spec = SandboxSpec(session_id=uuid.uuid4().hex[:12], owner="tests")
     session = await KernelSession.start(crashed, spec)
     cid = session.sandbox.id

@@ -585,6 +585,14 @@ def test_build_log_joins_split_lines_tracks_steps_and_keeps_the_failing_steps_ta
     assert log.image_id is None
 
 
+def test_build_log_strips_the_colour_codes_of_stderr() -> None:
+    log = BuildLog()
+    lines = log.feed(
+        {"stream": "\x1b[91mOSError: [Errno 101] Network is unreachable\n\x1b[0mRemoving x\n"}
+    )
+    assert lines == ["OSError: [Errno 101] Network is unreachable", "Removing x"]
+
+
 def test_build_log_takes_the_image_id_from_aux() -> None:
     log = BuildLog()
     assert log.feed({"aux": {"ID": "sha256:feed"}}) == []
