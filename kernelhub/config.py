@@ -60,6 +60,43 @@ class EngineSettings(BaseModel):
     restart_grace: float = Field(20.0, gt=0, description="seconds a kernel restart may take")
 
 
+class GatewaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="bind address; loopback by default")
+    port: int = Field(8765, ge=1, le=65535)
+    instance: str = Field(
+        "default",
+        pattern=r"^[a-z0-9-]{1,20}$",
+        description="label value that marks this gateway's sandboxes for re-adoption and cleanup",
+    )
+    max_sessions: int = Field(32, ge=1, description="sessions alive at once, all principals")
+    max_sessions_per_principal: int = Field(8, ge=1)
+    max_queued_per_session: int = Field(64, ge=1)
+    memory_budget_bytes: int | None = Field(
+        None, description="sum of session memory limits allowed; None = 80% of host memory"
+    )
+    max_body_bytes: int = Field(2 * MiB, ge=1024, description="largest JSON request body")
+    max_file_bytes: int = Field(100 * MiB, ge=1024, description="largest upload/download")
+    stream_buffer_bytes: int = Field(
+        8 * MiB,
+        ge=64 * 1024,
+        description="per WebSocket client; a client further behind is cut off",
+    )
+    max_limits: Limits = Field(
+        default_factory=lambda: Limits(
+            memory_bytes=8 * 1024 * MiB,
+            cpus=float(os.cpu_count() or 1),
+            pids=4096,
+            workspace_bytes=4 * 1024 * MiB,
+            tmp_bytes=1024 * MiB,
+            cell_timeout=24 * 3600.0,
+            output_bytes=100 * MiB,
+        ),
+        description="the most a client may ask for",
+    )
+
+
 class Settings(BaseSettings):
     """Everything kernelhub can be told. Variables: ``KERNELHUB_<FIELD>``, nested with ``__``
     (``KERNELHUB_LIMITS__CELL_TIMEOUT=60``)."""
@@ -78,6 +115,7 @@ class Settings(BaseSettings):
     docker: DockerSettings = Field(default_factory=DockerSettings)
     local: LocalSettings = Field(default_factory=LocalSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
     @field_validator("run_dir")
     @classmethod

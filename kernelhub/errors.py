@@ -14,8 +14,14 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     │   └── UnsafeSocketError    the socket directory holds something that is not our socket
     ├── KernelError              the kernel misbehaved at the protocol level
     │   └── KernelDiedError      the kernel is gone; carries the reason in words
-    └── SessionError             an operation is illegal in the session's current state
-        └── SessionClosedError   the session was closed
+    ├── SessionError             an operation is illegal in the session's current state
+    │   └── SessionClosedError   the session was closed
+    ├── NotFoundError            no such session/execution — or it belongs to someone else
+    ├── AuthError                missing, unknown or revoked token; or not an admin
+    ├── QuotaError               too many sessions, queued cells or bytes; retry later
+    └── InvalidRequestError      a request the gateway understood but cannot honour
+
+The gateway maps these to HTTP in one table (``gateway/errors.py``).
 """
 
 from __future__ import annotations
@@ -77,3 +83,27 @@ class SessionError(KernelhubError):
 
 class SessionClosedError(SessionError):
     """The session was closed; create a new one."""
+
+
+class NotFoundError(KernelhubError):
+    """No such thing, or not yours: both answer the same so ids cannot be probed."""
+
+
+class AuthError(KernelhubError):
+    """The caller is not who they must be."""
+
+    def __init__(self, message: str, *, admin_required: bool = False) -> None:
+        super().__init__(message)
+        self.admin_required = admin_required
+
+
+class QuotaError(KernelhubError):
+    """A limit on concurrent work was reached; ``retry_after`` seconds is a fair wait."""
+
+    def __init__(self, message: str, *, retry_after: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class InvalidRequestError(KernelhubError):
+    """A well-formed request that cannot be honoured (a path outside /workspace …)."""

@@ -22,6 +22,7 @@ FLUSH_INTERVAL_ENV = "KERNELHUB_FLUSH_INTERVAL"
 
 
 def flush_interval_from(environ: Mapping[str, str]) -> float:
+    """KERNELHUB_FLUSH_INTERVAL in seconds; exits with a message naming it if invalid."""
     raw = environ.get(FLUSH_INTERVAL_ENV)
     if raw is None:
         return patches.DEFAULT_FLUSH_INTERVAL
@@ -38,6 +39,7 @@ def flush_interval_from(environ: Mapping[str, str]) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Run the kernel until it shuts down; argv (default sys.argv[1:]) goes to IPKernelApp."""
     flush_interval = flush_interval_from(os.environ)
     os.environ.pop("PYTEST_CURRENT_TEST", None)
     state_dir = patches.keep_state_out_of_home(os.environ)
@@ -50,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from ipykernel.kernelapp import IPKernelApp
     from traitlets.config import Config
 
+    patches.never_drop_output(IPKernelApp)
     config = Config()
     patches.stream_output_live(config, flush_interval)
     patches.disable_history(config)

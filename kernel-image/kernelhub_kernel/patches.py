@@ -438,3 +438,22 @@ def stop_output_history(shell: Any) -> None:
     """
     if hasattr(shell, "_tee"):
         shell._tee = lambda channel: contextlib.nullcontext()
+
+
+def never_drop_output(app_class: Any) -> None:
+    """Make the iopub socket queue instead of drop.
+
+    ZeroMQ's PUB/XPUB socket silently drops messages once 1000 are queued for a slow
+    subscriber, so a burst of output could vanish without a trace. With no high-water mark
+    the backlog waits in this process instead, where the sandbox's memory limit bounds it,
+    and the host's output cap turns anything excessive into an explicit truncation.
+    The option applies to connections made after it is set; the host connects only once
+    it has seen the socket files, well after ``init_iopub`` returns.
+    """
+    original = app_class.init_iopub
+
+    def init_iopub(self: Any, context: Any) -> None:
+        original(self, context)
+        self.iopub_thread.socket.sndhwm = 0
+
+    app_class.init_iopub = init_iopub

@@ -56,6 +56,14 @@ _POLL_INTERVAL = 0.005
 _RECENT_EXECUTIONS = 64  # finished cells whose late thread output we still attribute
 
 
+_REPLY_AFTER_IDLE_GRACE = 0.2
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -74,7 +82,8 @@ class ExecutionHandle:
         self.started_at: datetime | None = None
         self.events: list[Event] = []
         self.record: ExecutionRecord | None = None
-        self.interrupt_requested = False
+        self.interrupt_requested = False  # by the user
+        self.interrupt_sent = False  # by anyone: the user or the timeout escalation
         self._waiters: list[asyncio.Future[None]] = []
 
     def _emit(self, event: Event) -> None:
@@ -120,13 +129,14 @@ class KernelSession:
         *,
         limits: Limits,
         engine: EngineSettings,
+        first_seq: int = 0,
     ) -> None:
         self.sandbox = sandbox
         self.limits = limits
         self.engine = engine
         self.id = sandbox.spec.session_id
         self._client: SandboxKernelClient | None = None
-        self._seq = 0
+        self._seq = first_seq
         self._listeners: list[Listener] = []
         self._queue: asyncio.Queue[ExecutionHandle] = asyncio.Queue()
         self._handles: dict[str, ExecutionHandle] = {}
@@ -157,11 +167,51 @@ class KernelSession:
         except BaseException:
             await session.close()
             raise
-        session._tasks = [
-            asyncio.create_task(session._worker(), name=f"kernelhub-worker-{spec.session_id}"),
-            asyncio.create_task(session._watch_death(), name=f"kernelhub-death-{spec.session_id}"),
-        ]
+        session._start_tasks()
         return session
+
+    @classmethod
+    async def attach(
+        cls,
+        sandbox: Sandbox,
+        *,
+        engine: EngineSettings | None = None,
+        first_seq: int = 0,
+    ) -> KernelSession:
+        """Reconnect to a sandbox that is already running (re-adoption after a gateway
+        restart): its kernel keeps every variable. Sequence numbers continue after
+        ``first_seq``."""
+        session = cls(
+            sandbox,
+            limits=sandbox.spec.limits,
+            engine=engine or EngineSettings(),
+            first_seq=first_seq,
+        )
+        try:
+            await session._connect(timeout=session.engine.start_timeout, starting=False)
+        except BaseException:
+            await session._stop_pumps()
+            raise
+        session._start_tasks()
+        return session
+
+    def _start_tasks(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._worker(), name=f"kernelhub-worker-{self.id}"),
+            asyncio.create_task(self._watch_death(), name=f"kernelhub-death-{self.id}"),
+        ]
+
+    @property
+    def queue_length(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> ExecutionHandle | None:
+        return self._active[1] if self._active is not None else None
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
 
     @property
     def alive(self) -> bool:
@@ -192,6 +242,19 @@ class KernelSession:
             if not done.done():
                 done.set_exception(SessionClosedError("session closed"))
         await self.sandbox.remove()
+
+    async def detach(self) -> None:
+        """Stop talking to the kernel but leave its sandbox running (a gateway shutting
+        down, to be re-adopted by the next one). The session is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        await self._stop_pumps()
 
     async def __aenter__(self) -> KernelSession:
         return self
@@ -249,6 +312,7 @@ class KernelSession:
         if self._active is None:
             return False
         self._active[1].interrupt_requested = True
+        self._active[1].interrupt_sent = True
         await self.sandbox.interrupt()
         return True
 
@@ -437,13 +501,14 @@ class KernelSession:
                     ),
                 )
         active = self._active
-        if (
-            active is not None
-            and active[0] is collector
-            and collector.done
-            and not active[2].done()
-        ):
+        if active is None or active[0] is not collector or active[2].done():
+            return
+        if collector.done:
             active[2].set_result(None)
+        elif collector.idle_seen and handle.interrupt_sent and not collector.reply_seen:
+            # An interrupt that lands in ipykernel's own code around the cell ends it with
+            # "idle" but no execute_reply. Give a reply in flight a moment, then end.
+            asyncio.get_running_loop().call_later(_REPLY_AFTER_IDLE_GRACE, _settle, active[2])
 
     def _route_orphan(self, msg: dict[str, Any]) -> None:
         """Output of no known cell (a background process writing between cells)."""
@@ -558,11 +623,8 @@ class KernelSession:
         after = self.sandbox.usage()
 
         if status is None:
-            if (
-                handle.interrupt_requested
-                and collector.error
-                and collector.error.name == "KeyboardInterrupt"
-            ):
+            keyboard = collector.error is not None and collector.error.name == "KeyboardInterrupt"
+            if handle.interrupt_requested and (keyboard or not collector.reply_seen):
                 status, ended_by = ExecutionStatus.INTERRUPTED, EndedBy.INTERRUPT
             elif collector.reply_status == "ok":
                 status = ExecutionStatus.COMPLETED
@@ -601,6 +663,7 @@ class KernelSession:
     ) -> tuple[EndedBy, bool]:
         """Interrupt → restart the kernel → kill the sandbox, each step given its grace."""
         try:
+            handle.interrupt_sent = True
             await self.sandbox.interrupt()
             await asyncio.wait_for(asyncio.shield(done), self.engine.interrupt_grace)
             return EndedBy.INTERRUPT, False

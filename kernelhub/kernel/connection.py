@@ -107,6 +107,14 @@ class SessionDir:
             os.chown(conn, sandbox_uid, sandbox_gid)
         return cls(root=root, sandbox_uid=sandbox_uid, key=key)
 
+    @classmethod
+    def load(cls, root: Path, *, sandbox_uid: int) -> SessionDir:
+        """Re-open the directory of a sandbox that outlived its kernelhub process."""
+        fd = os.open(root / "kernel.json", os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as fh:
+            info = json.load(fh)
+        return cls(root=root, sandbox_uid=sandbox_uid, key=SecretStr(str(info["key"])))
+
     def remove(self) -> None:
         # rmtree walks with file descriptors and does not follow symlinks planted in ipc/.
         shutil.rmtree(self.root, ignore_errors=True)

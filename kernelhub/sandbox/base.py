@@ -126,6 +126,12 @@ class SandboxBackend(abc.ABC):
     async def create(self, spec: SandboxSpec) -> Sandbox:
         """Prepare a sandbox (not started)."""
 
+    async def adopt(self, spec: SandboxSpec) -> Sandbox | None:
+        """Find the still-running sandbox of ``spec.session_id`` left by a previous
+        kernelhub process with the same instance label, or None if it is gone (or this
+        backend's sandboxes cannot outlive their creator)."""
+        return None
+
     @abc.abstractmethod
     async def reap_orphans(self) -> int:
         """Remove every resource this backend instance's labels mark that no live sandbox

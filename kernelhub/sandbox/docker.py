@@ -172,6 +172,31 @@ class DockerBackend(SandboxBackend):
         await self._ensure_started()
         return DockerSandbox(self, spec)
 
+    async def adopt(self, spec: SandboxSpec) -> Sandbox | None:
+        await self._ensure_started()
+        containers = await self.call(
+            self.client.containers.list,
+            all=True,
+            filters={
+                "label": [
+                    f"{LABEL_MANAGED}=true",
+                    f"{LABEL_INSTANCE}={self.instance}",
+                    f"org.kernelhub.session={spec.session_id}",
+                ]
+            },
+        )
+        root = self.run_dir / spec.session_id
+        if len(containers) != 1 or not (root / "kernel.json").is_file():
+            return None
+        sandbox = DockerSandbox(self, spec, existing=containers[0])
+        self._exits[containers[0].id] = sandbox._exit
+        await self.call(containers[0].reload)
+        if containers[0].status != "running":
+            await sandbox.remove()
+            return None
+        sandbox._load_cgroup()
+        return sandbox
+
     async def reap_orphans(self) -> int:
         await self._ensure_started()
         containers = await self.call(
@@ -205,20 +230,25 @@ class DockerBackend(SandboxBackend):
 
 
 class DockerSandbox(Sandbox):
-    def __init__(self, backend: DockerBackend, spec: SandboxSpec) -> None:
+    def __init__(self, backend: DockerBackend, spec: SandboxSpec, existing: Any = None) -> None:
         self.backend = backend
         self.spec = spec
-        self.container: Any = None
+        self.container: Any = existing
         self._cgroup: CgroupFiles | None = None
         root = backend.run_dir / spec.session_id
         uid = SANDBOX_UID if _is_root() else _euid()
-        self.session_dir = SessionDir.create(
-            root,
-            sandbox_uid=uid,
-            sandbox_gid=SANDBOX_GID if _is_root() else _egid(),
-            labels=spec.labels(backend.instance),
-            kernel_ipc_prefix=f"{IPC_DIR}/{SOCKET_PREFIX}",
-        )
+        if existing is not None:
+            # kernel.json sits outside ipc/ and is mounted read-only: the sandbox cannot
+            # have changed it, so its key is still ours.
+            self.session_dir = SessionDir.load(root, sandbox_uid=uid)
+        else:
+            self.session_dir = SessionDir.create(
+                root,
+                sandbox_uid=uid,
+                sandbox_gid=SANDBOX_GID if _is_root() else _egid(),
+                labels=spec.labels(backend.instance),
+                kernel_ipc_prefix=f"{IPC_DIR}/{SOCKET_PREFIX}",
+            )
         self._exit: asyncio.Future[ExitInfo] = asyncio.get_running_loop().create_future()
 
     @property
@@ -245,6 +275,9 @@ class DockerSandbox(Sandbox):
         except BaseException:
             await self.remove()
             raise
+        self._load_cgroup()
+
+    def _load_cgroup(self) -> None:
         pid = self.container.attrs.get("State", {}).get("Pid")
         if pid:
             self._cgroup = CgroupFiles.for_pid(int(pid))

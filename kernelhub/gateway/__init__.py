@@ -1,0 +1,1 @@
+"""The HTTP/WebSocket gateway: ``create_app(settings)`` builds it; nothing runs at import."""

@@ -1,0 +1,104 @@
+"""The one table from kernelhub's exceptions to HTTP answers.
+
+Handlers deep in the stack raise kernelhub errors; only this module knows HTTP. Anything
+unexpected becomes a 500 with a generic message (the traceback goes to the log, never to
+the client).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kernelhub.errors import (
+    AuthError,
+    BackendUnavailableError,
+    ConfigError,
+    ImageError,
+    InvalidRequestError,
+    KernelhubError,
+    NotFoundError,
+    QuotaError,
+    SandboxError,
+    SessionError,
+)
+from kernelhub.store.sqlite import StoreError
+
+log = logging.getLogger(__name__)
+
+# Most specific first: the first matching class decides.
+STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
+    (NotFoundError, 404, "not_found"),
+    (AuthError, 401, "unauthorized"),
+    (QuotaError, 429, "too_many"),
+    (InvalidRequestError, 400, "invalid_request"),
+    (SessionError, 409, "conflict"),
+    (StoreError, 409, "conflict"),
+    (ImageError, 503, "image_unavailable"),
+    (BackendUnavailableError, 503, "backend_unavailable"),
+    (SandboxError, 503, "sandbox_failed"),
+    (ConfigError, 500, "misconfigured"),
+    (KernelhubError, 500, "internal"),
+]
+
+
+def status_for(exc: KernelhubError) -> tuple[int, str]:
+    for cls, status, code in STATUS_TABLE:
+        if isinstance(exc, cls):
+            if isinstance(exc, AuthError) and exc.admin_required:
+                return 403, "forbidden"
+            return status, code
+    return 500, "internal"
+
+
+def error_response(
+    status: int,
+    error: str,
+    message: str,
+    detail: object = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": error, "message": message, "detail": detail}, status_code=status, headers=headers
+    )
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(KernelhubError)
+    async def kernelhub_error(request: Request, exc: KernelhubError) -> JSONResponse:
+        status, code = status_for(exc)
+        headers = {}
+        if isinstance(exc, QuotaError):
+            headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+        if isinstance(exc, AuthError) and status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        if status >= 500:
+            log.error("request %s %s failed: %s", request.method, request.url.path, exc)
+        return error_response(status, code, str(exc), headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            problems.append({"field": where, "problem": err.get("msg", "invalid")})
+        summary = "; ".join(f"{p['field']}: {p['problem']}" for p in problems[:5])
+        return error_response(422, "invalid_request", f"fix the request: {summary}", problems)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
+            exc.status_code, "http_error"
+        )
+        return error_response(
+            exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None)
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        return error_response(500, "internal", "internal error; the gateway logged the details")

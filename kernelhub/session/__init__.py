@@ -1,0 +1,1 @@
+"""Sessions as the gateway sees them: ownership, quotas, persistence, fan-out, adoption."""

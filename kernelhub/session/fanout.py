@@ -1,0 +1,148 @@
+"""Every event of a session goes to the store (durably, in batches) and to each live
+subscriber (WebSocket clients), without letting a slow subscriber grow memory.
+
+A subscriber has a byte budget. If it falls further behind than that, it is marked
+``overflowed`` and dropped: its WebSocket closes with 4408 and the client reconnects with
+``since=<last seq it saw>``, catching up from the store. Nothing is lost, memory stays flat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from kernelhub.models import DisplayEvent, Event, ResultEvent, StreamEvent
+from kernelhub.store.sqlite import SqliteStore
+
+log = logging.getLogger(__name__)
+
+
+def event_size(event: Event) -> int:
+    """A cheap upper-ish estimate of an event's wire size."""
+    if isinstance(event, StreamEvent):
+        return len(event.text) + 128
+    if isinstance(event, DisplayEvent | ResultEvent):
+        return sum(len(v) if isinstance(v, str) else 256 for v in event.data.values()) + 256
+    return 256
+
+
+class Subscriber:
+    def __init__(self, budget_bytes: int) -> None:
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.budget = budget_bytes
+        self.queued_bytes = 0
+        self.overflowed = False
+        self._wake = asyncio.Event()
+
+    def offer(self, event: Event) -> None:
+        if self.overflowed:
+            return
+        size = event_size(event)
+        if self.queued_bytes + size > self.budget:
+            self.overflowed = True
+            # Release what it holds: it will catch up from the store.
+            self.queue = asyncio.Queue()
+            self.queued_bytes = 0
+            self._wake.set()
+            return
+        self.queued_bytes += size
+        self.queue.put_nowait(event)
+        self._wake.set()
+
+    async def get(self) -> Event | None:
+        """The next event, or None once the subscriber overflowed."""
+        while True:
+            if self.overflowed:
+                return None
+            if not self.queue.empty():
+                event = self.queue.get_nowait()
+                self.queued_bytes -= event_size(event)
+                return event
+            self._wake.clear()
+            await self._wake.wait()
+
+
+class SessionFanout:
+    """Owns one session's writer task. ``publish`` is synchronous (called from the engine's
+    listener); ``flush`` waits until everything published so far is in the store."""
+
+    def __init__(
+        self,
+        session_id: str,
+        store: SqliteStore,
+        *,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
+        self.session_id = session_id
+        self.store = store
+        self.subscribers: set[Subscriber] = set()
+        self._pending: list[Event] = []
+        self._wake = asyncio.Event()
+        self._flushed_seq = 0
+        self._published_seq = 0
+        self._flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._on_error = on_error
+        self._task = asyncio.create_task(self._writer(), name=f"kernelhub-writer-{session_id}")
+
+    def publish(self, event: Event) -> None:
+        self._pending.append(event)
+        self._published_seq = max(self._published_seq, event.seq)
+        self._wake.set()
+        for sub in self.subscribers:
+            sub.offer(event)
+
+    def subscribe(self, budget_bytes: int) -> Subscriber:
+        sub = Subscriber(budget_bytes)
+        self.subscribers.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self.subscribers.discard(sub)
+
+    async def flush(self) -> None:
+        target = self._published_seq
+        if self._flushed_seq >= target:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append((target, fut))
+        self._wake.set()
+        await fut
+
+    async def _writer(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    await self.store.append_events(self.session_id, batch)
+                except Exception as exc:  # never lose the batch silently: retry, and say so
+                    log.exception(
+                        "storing %d events of session %s failed", len(batch), self.session_id
+                    )
+                    if self._on_error:
+                        self._on_error(exc)
+                    self._pending[:0] = batch
+                    await asyncio.sleep(0.5)
+                    continue
+                self._flushed_seq = max(self._flushed_seq, batch[-1].seq)
+            still = []
+            for target, fut in self._flush_waiters:
+                if self._flushed_seq >= target:
+                    if not fut.done():
+                        fut.set_result(None)
+                else:
+                    still.append((target, fut))
+            self._flush_waiters = still
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.flush(), 10)
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
+        for sub in list(self.subscribers):
+            sub.overflowed = True
+            sub._wake.set()

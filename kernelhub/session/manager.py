@@ -1,0 +1,577 @@
+"""The session manager: the gateway's single owner of every live session.
+
+It enforces ownership (someone else's session is indistinguishable from a missing one),
+quotas (sessions, queued cells, the host memory budget), persistence (every event to the
+store, every finished execution and every action to the audit log), and, at start-up,
+re-adopts sandboxes that outlived a previous gateway process and removes the orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import psutil
+
+from kernelhub.config import Limits, Settings
+from kernelhub.errors import (
+    InvalidRequestError,
+    KernelhubError,
+    NotFoundError,
+    QuotaError,
+    SessionError,
+)
+from kernelhub.execution.engine import ExecutionHandle, KernelSession
+from kernelhub.models import (
+    EndedBy,
+    Event,
+    ExecutionRecord,
+    ExecutionStatus,
+    FinalEvent,
+    NoticeEvent,
+    StatusEvent,
+)
+from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
+from kernelhub.session.fanout import SessionFanout
+from kernelhub.store.sqlite import (
+    AuditEntry,
+    Principal,
+    SqliteStore,
+    StoredExecution,
+    StoredSession,
+)
+from kernelhub.wire import ExecutionCreate, LimitsIn, SessionCreate, SessionInfo, SessionState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LiveSession:
+    stored: StoredSession
+    limits: Limits
+    fanout: SessionFanout
+    kernel: KernelSession | None = None
+    state: SessionState = SessionState.STARTING
+    reason: str | None = None
+    clients: dict[str, str] = field(default_factory=dict)  # execution id -> client address
+    principals: dict[str, str] = field(default_factory=dict)  # execution id -> principal
+
+    @property
+    def id(self) -> str:
+        return self.stored.id
+
+
+@dataclass
+class Observer:
+    """Hooks the gateway's metrics attach to (all optional, all synchronous)."""
+
+    on_start: Callable[[float], None] = lambda seconds: None
+    on_final: Callable[[ExecutionRecord], None] = lambda record: None
+
+
+class SessionManager:
+    def __init__(
+        self,
+        settings: Settings,
+        backend: SandboxBackend,
+        store: SqliteStore,
+        observer: Observer | None = None,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.store = store
+        self.observer = observer or Observer()
+        self.sessions: dict[str, LiveSession] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        budget = settings.gateway.memory_budget_bytes
+        self.memory_budget = (
+            budget if budget is not None else int(psutil.virtual_memory().total * 0.8)
+        )
+
+    # -- start-up and shutdown ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Re-adopt sandboxes a previous process left running; report the rest dead;
+        remove orphans."""
+        for stored in await self.store.list_sessions():
+            if stored.state in (SessionState.DEAD, SessionState.DELETED):
+                continue
+            limits = Limits(**stored.limits)
+            live = LiveSession(stored=stored, limits=limits, fanout=self._fanout(stored.id))
+            self.sessions[stored.id] = live
+            spec = SandboxSpec(session_id=stored.id, owner=stored.owner, limits=limits)
+            sandbox = None
+            with contextlib.suppress(KernelhubError):
+                sandbox = await self.backend.adopt(spec)
+            last_seq = await self.store.last_seq(stored.id)
+            if sandbox is None:
+                await self._mark_dead(live, "the sandbox did not survive the gateway restart")
+                await self._finish_orphaned_executions(
+                    live, last_seq, "the sandbox was lost when the gateway restarted"
+                )
+                continue
+            try:
+                kernel = await KernelSession.attach(
+                    sandbox, engine=self.settings.engine, first_seq=last_seq
+                )
+            except KernelhubError as exc:
+                await sandbox.remove()
+                await self._mark_dead(
+                    live, f"could not reconnect after the gateway restarted: {exc}"
+                )
+                continue
+            self._bind(live, kernel)
+            live.state = SessionState.READY
+            await self.store.update_session(stored.id, state=live.state.value)
+            await self._finish_orphaned_executions(live, last_seq, None)
+            await self.store.audit(
+                AuditEntry(principal=None, action="session.adopt", session_id=stored.id)
+            )
+            log.info("re-adopted session %s", stored.id)
+        await self.backend.reap_orphans()
+
+    async def _finish_orphaned_executions(
+        self, live: LiveSession, last_seq: int, lost: str | None
+    ) -> None:
+        """Executions the previous process never finished: say what became of them."""
+        for e in await self.store.unfinished_executions(live.id):
+            if e.status == ExecutionStatus.QUEUED:
+                status, reason = (
+                    ExecutionStatus.CANCELLED,
+                    "the gateway restarted before this cell ran; submit it again",
+                )
+            else:
+                status = ExecutionStatus.KERNEL_DIED if lost else ExecutionStatus.FAILED
+                reason = lost or (
+                    f"the gateway restarted while this cell ran; output after event {last_seq} "
+                    "was not captured and the cell may still finish in the kernel"
+                )
+            now = datetime.now(UTC)
+            seq = (live.kernel.last_seq if live.kernel else last_seq) + 1
+            if live.kernel is not None:
+                live.kernel._seq = seq  # the engine's counter stays ahead of what we write
+            record = ExecutionRecord(
+                execution_id=e.id,
+                status=status,
+                ended_by=EndedBy.KILL,
+                state_lost=lost is not None,
+                reason=reason,
+                queued_at=e.created_at,
+                finished_at=now,
+            )
+            live.fanout.publish(NoticeEvent(execution_id=e.id, seq=seq, message=reason))
+            live.fanout.publish(FinalEvent(execution_id=e.id, seq=seq + 1, record=record))
+            if live.kernel is not None:
+                live.kernel._seq = seq + 1
+            await self.store.update_execution(e.id, status, record)
+
+    async def close(self) -> None:
+        """Detach from every session without stopping its sandbox: a restarted gateway
+        re-adopts them. (Use ``stop_all`` to stop sandboxes.)"""
+        for task in list(self._tasks):
+            task.cancel()
+        for live in self.sessions.values():
+            if live.kernel is not None:
+                await live.kernel.detach()
+            await live.fanout.close()
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def _fanout(self, session_id: str) -> SessionFanout:
+        return SessionFanout(session_id, self.store)
+
+    def _limits(self, requested: LimitsIn) -> Limits:
+        base = self.settings.limits
+        cap = self.settings.gateway.max_limits
+        values = base.model_dump()
+        asked = {
+            "memory_bytes": requested.memory_bytes,
+            "cpus": requested.cpus,
+            "pids": requested.pids,
+            "workspace_bytes": requested.disk_bytes,
+            "cell_timeout": requested.cell_timeout,
+            "output_bytes": requested.output_bytes,
+        }
+        for name, value in asked.items():
+            if value is None:
+                continue
+            most = getattr(cap, name)
+            if most is not None and value > most:
+                wire_name = "disk_bytes" if name == "workspace_bytes" else name
+                raise InvalidRequestError(
+                    f"limits.{wire_name}={value} is above the maximum {most}; ask for less"
+                )
+            values[name] = value
+        return Limits(**values)
+
+    async def create(
+        self, principal: Principal, body: SessionCreate, client: str | None = None
+    ) -> SessionInfo:
+        limits = self._limits(body.limits)
+        alive = [
+            s
+            for s in self.sessions.values()
+            if s.state not in (SessionState.DEAD, SessionState.DELETED)
+        ]
+        g = self.settings.gateway
+        if len(alive) >= g.max_sessions:
+            raise QuotaError(
+                f"the gateway runs its maximum of {g.max_sessions} sessions; retry later",
+                retry_after=10,
+            )
+        mine = [s for s in alive if s.stored.owner == principal.name]
+        if len(mine) >= g.max_sessions_per_principal:
+            raise QuotaError(
+                f"you have {len(mine)} sessions, the most allowed per token; delete one first",
+                retry_after=10,
+            )
+        committed = sum(s.limits.memory_bytes for s in alive)
+        if committed + limits.memory_bytes > self.memory_budget:
+            raise QuotaError(
+                "the host's memory budget is committed to other sessions; retry later or ask for less memory",
+                retry_after=10,
+            )
+        if len(str(body.metadata)) > 16_384:
+            raise InvalidRequestError("metadata is larger than 16 KiB; store less")
+        stored = StoredSession(
+            id=uuid.uuid4().hex[:16],
+            owner=principal.name,
+            backend=self.backend.name,
+            state=SessionState.STARTING.value,
+            created_at=datetime.now(UTC),
+            limits=limits.model_dump(),
+            metadata=dict(body.metadata),
+            reason=None,
+            deleted_at=None,
+        )
+        await self.store.insert_session(stored)
+        live = LiveSession(stored=stored, limits=limits, fanout=self._fanout(stored.id))
+        self.sessions[stored.id] = live
+        t0 = time.monotonic()
+        try:
+            kernel = await KernelSession.start(
+                self.backend,
+                SandboxSpec(session_id=stored.id, owner=principal.name, limits=limits),
+                engine=self.settings.engine,
+            )
+        except KernelhubError as exc:
+            await self._mark_dead(live, f"the sandbox failed to start: {exc}")
+            await self.store.audit(
+                AuditEntry(
+                    principal=principal.name,
+                    action="session.create",
+                    session_id=stored.id,
+                    status="failed",
+                    client=client,
+                    detail={"error": str(exc)},
+                )
+            )
+            raise
+        self.observer.on_start(time.monotonic() - t0)
+        self._bind(live, kernel)
+        live.state = SessionState.READY
+        await self.store.update_session(stored.id, state=live.state.value)
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="session.create",
+                session_id=stored.id,
+                status="ok",
+                client=client,
+                duration=time.monotonic() - t0,
+            )
+        )
+        return await self.info(principal, stored.id)
+
+    def _bind(self, live: LiveSession, kernel: KernelSession) -> None:
+        live.kernel = kernel
+        kernel.add_listener(lambda event: self._on_event(live, event))
+        task = asyncio.create_task(self._watch(live, kernel))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_event(self, live: LiveSession, event: Event) -> None:
+        live.fanout.publish(event)
+        if isinstance(event, FinalEvent):
+            task = asyncio.create_task(self._finished(live, event.record))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif isinstance(event, StatusEvent):
+            task = asyncio.create_task(
+                self.store.update_execution(event.execution_id, event.status)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _finished(self, live: LiveSession, record: ExecutionRecord) -> None:
+        self.observer.on_final(record)
+        await self.store.update_execution(record.execution_id, record.status, record)
+        stored = await self.store.get_execution(record.execution_id)
+        await self.store.audit(
+            AuditEntry(
+                principal=live.principals.pop(record.execution_id, live.stored.owner),
+                action="execution",
+                session_id=live.id,
+                execution_id=record.execution_id,
+                code=stored.code if stored else None,
+                status=record.status.value,
+                duration=record.duration,
+                cpu_seconds=record.cpu_seconds,
+                peak_memory_bytes=record.peak_memory_bytes,
+                output_bytes=record.output_bytes,
+                client=live.clients.pop(record.execution_id, None),
+                detail={"reason": record.reason, "ended_by": record.ended_by.value}
+                if record.reason
+                else None,
+            )
+        )
+
+    async def _watch(self, live: LiveSession, kernel: KernelSession) -> None:
+        info = await kernel.sandbox.wait_exit()
+        if live.state != SessionState.DELETED:
+            await self._mark_dead(live, info.reason)
+
+    async def _mark_dead(self, live: LiveSession, reason: str) -> None:
+        live.state = SessionState.DEAD
+        live.reason = reason
+        await self.store.update_session(live.id, state=SessionState.DEAD.value, reason=reason)
+
+    def _get(self, principal: Principal, session_id: str) -> LiveSession:
+        live = self.sessions.get(session_id)
+        if live is None or (live.stored.owner != principal.name and not principal.admin):
+            raise NotFoundError(f"no session {session_id!r} (or it is not yours)")
+        return live
+
+    async def info(self, principal: Principal, session_id: str) -> SessionInfo:
+        live = self.sessions.get(session_id)
+        if live is None:
+            stored = await self.store.get_session(session_id)
+            if stored is None or (stored.owner != principal.name and not principal.admin):
+                raise NotFoundError(f"no session {session_id!r} (or it is not yours)")
+            return _info(
+                stored,
+                SessionState(stored.state),
+                stored.reason,
+                await self.store.last_seq(session_id),
+            )
+        live = self._get(principal, session_id)
+        state = live.state
+        if state == SessionState.READY and live.kernel and live.kernel.running is not None:
+            state = SessionState.BUSY
+        last = live.kernel.last_seq if live.kernel else await self.store.last_seq(session_id)
+        return _info(live.stored, state, live.reason, last)
+
+    async def list_sessions(
+        self, principal: Principal, *, everyone: bool = False
+    ) -> list[SessionInfo]:
+        stored = await self.store.list_sessions(None if everyone else principal.name)
+        out = []
+        for s in stored:
+            live = self.sessions.get(s.id)
+            if live is not None:
+                out.append(await self.info(Principal(name=s.owner, admin=True), s.id))
+            else:
+                out.append(_info(s, SessionState(s.state), s.reason, 0))
+        return out
+
+    async def delete(
+        self, principal: Principal, session_id: str, client: str | None = None
+    ) -> None:
+        live = self._get(principal, session_id)
+        live.state = SessionState.DELETED
+        if live.kernel is not None:
+            await live.kernel.close()
+        await live.fanout.close()
+        await self.store.update_session(session_id, state=SessionState.DELETED.value, deleted=True)
+        del self.sessions[session_id]
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="session.delete",
+                session_id=session_id,
+                client=client,
+            )
+        )
+
+    async def stop_all(self, principal: Principal, client: str | None = None) -> int:
+        """The emergency stop: every sandbox, now."""
+        ids = list(self.sessions)
+        for sid in ids:
+            with contextlib.suppress(KernelhubError):
+                await self.delete(principal, sid, client)
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="admin.stop_all",
+                client=client,
+                detail={"sessions": len(ids)},
+            )
+        )
+        return len(ids)
+
+    # -- executions --------------------------------------------------------------------
+
+    async def submit(
+        self,
+        principal: Principal,
+        session_id: str,
+        body: ExecutionCreate,
+        client: str | None = None,
+    ) -> tuple[StoredExecution, ExecutionHandle | None, bool]:
+        """Queue a cell. Returns (row, handle, created). With a known idempotency key the
+        first execution is returned (``created`` False) and nothing runs."""
+        live = self._get(principal, session_id)
+        if body.idempotency_key is not None:
+            # Ask the store first: the key may have been used before a restart.
+            existing = await self._by_key(principal, body.idempotency_key)
+            if existing is not None:
+                if existing.session_id != session_id:
+                    raise InvalidRequestError(
+                        f"idempotency_key {body.idempotency_key!r} was used for another session"
+                    )
+                return existing, live.kernel.get(existing.id) if live.kernel else None, False
+        kernel = self._kernel(live)
+        if kernel.queue_length >= self.settings.gateway.max_queued_per_session:
+            raise QuotaError(
+                f"session {session_id} already has {kernel.queue_length} cells queued; wait for some to finish",
+                retry_after=2,
+            )
+        row = StoredExecution(
+            id=uuid.uuid4().hex,
+            session_id=session_id,
+            owner=principal.name,
+            code=body.code,
+            status=ExecutionStatus.QUEUED,
+            idempotency_key=body.idempotency_key,
+            created_at=datetime.now(UTC),
+            record=None,
+        )
+        stored = await self.store.insert_execution(row)
+        if stored.id != row.id:  # a concurrent retry with the same key won the race
+            return stored, kernel.get(stored.id), False
+        live.principals[row.id] = principal.name
+        if client:
+            live.clients[row.id] = client
+        kwargs = {} if body.timeout is None else {"timeout": body.timeout}
+        handle = await kernel.submit(body.code, execution_id=row.id, **kwargs)
+        return row, handle, True
+
+    async def _by_key(self, principal: Principal, key: str) -> StoredExecution | None:
+        rows = await self.store._run(
+            self.store._q,
+            "SELECT id FROM executions WHERE owner = ? AND idempotency_key = ?",
+            (principal.name, key),
+        )
+        return await self.store.get_execution(rows[0][0]) if rows else None
+
+    def _kernel(self, live: LiveSession) -> KernelSession:
+        if live.state == SessionState.DEAD or live.kernel is None or not live.kernel.alive:
+            raise SessionError(
+                f"session {live.id} is dead ({live.reason or 'kernel gone'}); create a new session"
+            )
+        if live.state == SessionState.DELETED:
+            raise SessionError(f"session {live.id} was deleted; create a new session")
+        return live.kernel
+
+    async def execution(
+        self, principal: Principal, execution_id: str
+    ) -> tuple[StoredExecution, list[Event] | None]:
+        row = await self.store.get_execution(execution_id)
+        if row is None or (row.owner != principal.name and not principal.admin):
+            raise NotFoundError(f"no execution {execution_id!r} (or it is not yours)")
+        live = self.sessions.get(row.session_id)
+        handle = live.kernel.get(execution_id) if live and live.kernel else None
+        if handle is not None:
+            row = row.model_copy(
+                update={"status": handle.status, "record": handle.record or row.record}
+            )
+            return row, list(handle.events) if handle.record else None
+        if row.record is not None:
+            if live is not None:
+                await live.fanout.flush()
+            return row, await self.store.events_of(execution_id)
+        return row, None
+
+    async def interrupt(self, principal: Principal, execution_id: str) -> StoredExecution:
+        row, _ = await self.execution(principal, execution_id)
+        live = self._get(principal, row.session_id)
+        kernel = self._kernel(live)
+        running = kernel.running
+        if running is None or running.id != execution_id:
+            raise SessionError(
+                f"execution {execution_id} is {row.status.value}, not running; only a running execution can be interrupted"
+            )
+        await kernel.interrupt()
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="execution.interrupt",
+                session_id=live.id,
+                execution_id=execution_id,
+            )
+        )
+        return row
+
+    async def cancel(self, principal: Principal, execution_id: str) -> StoredExecution:
+        row, _ = await self.execution(principal, execution_id)
+        live = self._get(principal, row.session_id)
+        if not self._kernel(live).cancel(execution_id):
+            raise SessionError(
+                f"execution {execution_id} is {row.status.value}; only a queued execution can be cancelled"
+            )
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="execution.cancel",
+                session_id=live.id,
+                execution_id=execution_id,
+            )
+        )
+        return (await self.execution(principal, execution_id))[0]
+
+    async def send_input(self, principal: Principal, execution_id: str, value: str) -> None:
+        row, _ = await self.execution(principal, execution_id)
+        live = self._get(principal, row.session_id)
+        kernel = self._kernel(live)
+        running = kernel.running
+        if (
+            running is None
+            or running.id != execution_id
+            or running.status != ExecutionStatus.AWAITING_INPUT
+        ):
+            raise SessionError(f"execution {execution_id} is not waiting for input")
+        kernel.send_input(value)
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="execution.input",
+                session_id=live.id,
+                execution_id=execution_id,
+                detail={"value": value},
+            )
+        )
+
+    def live(self, principal: Principal, session_id: str) -> LiveSession:
+        return self._get(principal, session_id)
+
+
+def _info(s: StoredSession, state: SessionState, reason: str | None, last_seq: int) -> SessionInfo:
+    limits = dict(s.limits)
+    limits["disk_bytes"] = limits.pop("workspace_bytes", None)
+    return SessionInfo(
+        id=s.id,
+        owner=s.owner,
+        state=state,
+        backend=s.backend,
+        created_at=s.created_at,
+        limits=limits,
+        metadata=s.metadata,
+        last_seq=last_seq,
+        reason=reason,
+    )

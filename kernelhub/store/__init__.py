@@ -1,0 +1,1 @@
+"""Persistence: sessions, executions, events, tokens and the audit log."""

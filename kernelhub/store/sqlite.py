@@ -1,0 +1,436 @@
+"""The embedded store: SQLite in WAL mode, one connection on one thread.
+
+Every call runs on the store's own single thread (SQLite connections are not shared
+across threads, and one writer is what SQLite wants anyway); callers ``await`` it.
+Events are appended in batches by :meth:`SqliteStore.append_events`, which the gateway
+calls from a writer task: one transaction per batch keeps a 20 000-line cell cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import sqlite3
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, TypeAdapter
+
+from kernelhub.errors import KernelhubError
+from kernelhub.models import Event, ExecutionRecord, ExecutionStatus
+
+T = TypeVar("T")
+_EVENT = TypeAdapter(Event)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tokens (
+  id INTEGER PRIMARY KEY,
+  name TEXT NOT NULL UNIQUE,
+  token_hash TEXT NOT NULL UNIQUE,
+  admin INTEGER NOT NULL DEFAULT 0,
+  created_at TEXT NOT NULL,
+  revoked_at TEXT
+);
+CREATE TABLE IF NOT EXISTS sessions (
+  id TEXT PRIMARY KEY,
+  owner TEXT NOT NULL,
+  backend TEXT NOT NULL,
+  state TEXT NOT NULL,
+  created_at TEXT NOT NULL,
+  limits TEXT NOT NULL,
+  metadata TEXT NOT NULL,
+  reason TEXT,
+  deleted_at TEXT
+);
+CREATE INDEX IF NOT EXISTS sessions_owner ON sessions(owner);
+CREATE TABLE IF NOT EXISTS executions (
+  id TEXT PRIMARY KEY,
+  session_id TEXT NOT NULL REFERENCES sessions(id),
+  owner TEXT NOT NULL,
+  code TEXT NOT NULL,
+  status TEXT NOT NULL,
+  idempotency_key TEXT,
+  created_at TEXT NOT NULL,
+  record TEXT,
+  UNIQUE (owner, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS executions_session ON executions(session_id);
+CREATE TABLE IF NOT EXISTS events (
+  session_id TEXT NOT NULL,
+  seq INTEGER NOT NULL,
+  execution_id TEXT NOT NULL,
+  body TEXT NOT NULL,
+  PRIMARY KEY (session_id, seq)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS events_execution ON events(execution_id);
+CREATE TABLE IF NOT EXISTS audit (
+  id INTEGER PRIMARY KEY,
+  at TEXT NOT NULL,
+  principal TEXT,
+  action TEXT NOT NULL,
+  session_id TEXT,
+  execution_id TEXT,
+  code TEXT,
+  status TEXT,
+  duration REAL,
+  cpu_seconds REAL,
+  peak_memory_bytes INTEGER,
+  output_bytes INTEGER,
+  client TEXT,
+  detail TEXT
+);
+"""
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def hash_token(token: str) -> str:
+    # Tokens are 256-bit random strings, so a plain SHA-256 is enough (no password
+    # stretching needed) and lookups stay a single indexed equality.
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Principal(BaseModel):
+    name: str
+    admin: bool = False
+
+
+class TokenInfo(BaseModel):
+    name: str
+    admin: bool
+    created_at: str
+    revoked_at: str | None
+
+
+class StoredSession(BaseModel):
+    id: str
+    owner: str
+    backend: str
+    state: str
+    created_at: datetime
+    limits: dict[str, Any]
+    metadata: dict[str, Any]
+    reason: str | None
+    deleted_at: datetime | None
+
+
+class StoredExecution(BaseModel):
+    id: str
+    session_id: str
+    owner: str
+    code: str
+    status: ExecutionStatus
+    idempotency_key: str | None
+    created_at: datetime
+    record: ExecutionRecord | None
+
+
+class AuditEntry(BaseModel):
+    principal: str | None
+    action: str
+    session_id: str | None = None
+    execution_id: str | None = None
+    code: str | None = None
+    status: str | None = None
+    duration: float | None = None
+    cpu_seconds: float | None = None
+    peak_memory_bytes: int | None = None
+    output_bytes: int | None = None
+    client: str | None = None
+    detail: dict[str, Any] | None = None
+
+
+class StoreError(KernelhubError):
+    """The store could not do what was asked (it names the conflict)."""
+
+
+class SqliteStore:
+    """All persistence. Open with :meth:`open`, always :meth:`close`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernelhub-store")
+        self._db: sqlite3.Connection | None = None
+
+    @classmethod
+    async def open(cls, path: Path) -> SqliteStore:
+        store = cls(path)
+        await store._run(store._open)
+        return store
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a committed transaction survives a process crash (kill -9);
+        # only an OS crash can lose the last few, which is the usual trade.
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.executescript(SCHEMA)
+        self._db = db
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._run(self._db.close)
+            self._db = None
+        self._pool.shutdown(wait=True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _q(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        assert self._db is not None
+        cur = self._db.execute(sql, tuple(params))
+        return cur.fetchall()
+
+    # -- tokens ------------------------------------------------------------------------
+
+    async def create_token(self, name: str, *, admin: bool = False) -> str:
+        """Make a token; returns it in clear text, the only time it is ever shown."""
+        token = "kh_" + secrets.token_urlsafe(32)
+
+        def insert() -> None:
+            try:
+                self._q(
+                    "INSERT INTO tokens (name, token_hash, admin, created_at) VALUES (?,?,?,?)",
+                    (name, hash_token(token), int(admin), now_iso()),
+                )
+            except sqlite3.IntegrityError as exc:
+                raise StoreError(f"a token named {name!r} exists; pick another name") from exc
+
+        await self._run(insert)
+        return token
+
+    async def principal_for(self, token: str) -> Principal | None:
+        rows = await self._run(
+            self._q,
+            "SELECT name, admin FROM tokens WHERE token_hash = ? AND revoked_at IS NULL",
+            (hash_token(token),),
+        )
+        return Principal(name=rows[0][0], admin=bool(rows[0][1])) if rows else None
+
+    async def list_tokens(self) -> list[TokenInfo]:
+        rows = await self._run(
+            self._q, "SELECT name, admin, created_at, revoked_at FROM tokens ORDER BY id"
+        )
+        return [
+            TokenInfo(name=r[0], admin=bool(r[1]), created_at=r[2], revoked_at=r[3]) for r in rows
+        ]
+
+    async def revoke_token(self, name: str) -> bool:
+        def revoke() -> bool:
+            assert self._db is not None
+            cur = self._db.execute(
+                "UPDATE tokens SET revoked_at = ? WHERE name = ? AND revoked_at IS NULL",
+                (now_iso(), name),
+            )
+            return cur.rowcount > 0
+
+        return await self._run(revoke)
+
+    # -- sessions ----------------------------------------------------------------------
+
+    async def insert_session(self, s: StoredSession) -> None:
+        await self._run(
+            self._q,
+            "INSERT INTO sessions (id, owner, backend, state, created_at, limits, metadata, reason)"
+            " VALUES (?,?,?,?,?,?,?,?)",
+            (
+                s.id,
+                s.owner,
+                s.backend,
+                s.state,
+                s.created_at.isoformat(),
+                json.dumps(s.limits),
+                json.dumps(s.metadata),
+                s.reason,
+            ),
+        )
+
+    async def update_session(
+        self, session_id: str, *, state: str, reason: str | None = None, deleted: bool = False
+    ) -> None:
+        await self._run(
+            self._q,
+            "UPDATE sessions SET state = ?, reason = COALESCE(?, reason),"
+            " deleted_at = CASE WHEN ? THEN ? ELSE deleted_at END WHERE id = ?",
+            (state, reason, int(deleted), now_iso(), session_id),
+        )
+
+    async def get_session(self, session_id: str) -> StoredSession | None:
+        rows = await self._run(self._q, "SELECT * FROM sessions WHERE id = ?", (session_id,))
+        return _session(rows[0]) if rows else None
+
+    async def list_sessions(
+        self, owner: str | None = None, *, include_deleted: bool = False
+    ) -> list[StoredSession]:
+        sql = "SELECT * FROM sessions WHERE 1=1"
+        params: list[Any] = []
+        if owner is not None:
+            sql += " AND owner = ?"
+            params.append(owner)
+        if not include_deleted:
+            sql += " AND deleted_at IS NULL"
+        rows = await self._run(self._q, sql + " ORDER BY created_at", params)
+        return [_session(r) for r in rows]
+
+    # -- executions --------------------------------------------------------------------
+
+    async def insert_execution(self, e: StoredExecution) -> StoredExecution:
+        """Insert; if the owner already used the idempotency key, return that execution."""
+
+        def insert() -> StoredExecution:
+            try:
+                self._q(
+                    "INSERT INTO executions (id, session_id, owner, code, status, idempotency_key,"
+                    " created_at) VALUES (?,?,?,?,?,?,?)",
+                    (
+                        e.id,
+                        e.session_id,
+                        e.owner,
+                        e.code,
+                        e.status.value,
+                        e.idempotency_key,
+                        e.created_at.isoformat(),
+                    ),
+                )
+                return e
+            except sqlite3.IntegrityError:
+                rows = self._q(
+                    "SELECT * FROM executions WHERE owner = ? AND idempotency_key = ?",
+                    (e.owner, e.idempotency_key),
+                )
+                if not rows:
+                    raise
+                return _execution(rows[0])
+
+        return await self._run(insert)
+
+    async def update_execution(
+        self, execution_id: str, status: ExecutionStatus, record: ExecutionRecord | None = None
+    ) -> None:
+        await self._run(
+            self._q,
+            "UPDATE executions SET status = ?, record = COALESCE(?, record) WHERE id = ?",
+            (status.value, record.model_dump_json() if record else None, execution_id),
+        )
+
+    async def get_execution(self, execution_id: str) -> StoredExecution | None:
+        rows = await self._run(self._q, "SELECT * FROM executions WHERE id = ?", (execution_id,))
+        return _execution(rows[0]) if rows else None
+
+    async def unfinished_executions(self, session_id: str) -> list[StoredExecution]:
+        rows = await self._run(
+            self._q,
+            "SELECT * FROM executions WHERE session_id = ? AND record IS NULL ORDER BY created_at",
+            (session_id,),
+        )
+        return [_execution(r) for r in rows]
+
+    # -- events ------------------------------------------------------------------------
+
+    async def append_events(self, session_id: str, events: list[Event]) -> None:
+        def append() -> None:
+            assert self._db is not None
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO events (session_id, seq, execution_id, body) VALUES (?,?,?,?)",
+                    [(session_id, e.seq, e.execution_id, e.model_dump_json()) for e in events],
+                )
+
+        await self._run(append)
+
+    async def events_since(self, session_id: str, since: int, limit: int = 1000) -> list[Event]:
+        rows = await self._run(
+            self._q,
+            "SELECT body FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (session_id, since, limit),
+        )
+        return [_EVENT.validate_json(r[0]) for r in rows]
+
+    async def events_of(self, execution_id: str) -> list[Event]:
+        rows = await self._run(
+            self._q, "SELECT body FROM events WHERE execution_id = ? ORDER BY seq", (execution_id,)
+        )
+        return [_EVENT.validate_json(r[0]) for r in rows]
+
+    async def last_seq(self, session_id: str) -> int:
+        rows = await self._run(
+            self._q, "SELECT MAX(seq) FROM events WHERE session_id = ?", (session_id,)
+        )
+        return int(rows[0][0] or 0)
+
+    # -- audit -------------------------------------------------------------------------
+
+    async def audit(self, entry: AuditEntry) -> None:
+        await self._run(
+            self._q,
+            "INSERT INTO audit (at, principal, action, session_id, execution_id, code, status,"
+            " duration, cpu_seconds, peak_memory_bytes, output_bytes, client, detail)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                now_iso(),
+                entry.principal,
+                entry.action,
+                entry.session_id,
+                entry.execution_id,
+                entry.code,
+                entry.status,
+                entry.duration,
+                entry.cpu_seconds,
+                entry.peak_memory_bytes,
+                entry.output_bytes,
+                entry.client,
+                json.dumps(entry.detail) if entry.detail is not None else None,
+            ),
+        )
+
+    async def audit_log(self, session_id: str | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM audit"
+        params: tuple[Any, ...] = ()
+        if session_id:
+            sql += " WHERE session_id = ?"
+            params = (session_id,)
+
+        def fetch() -> list[dict[str, Any]]:
+            assert self._db is not None
+            cur = self._db.execute(sql + " ORDER BY id", params)
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+        return await self._run(fetch)
+
+
+def _session(r: sqlite3.Row) -> StoredSession:
+    return StoredSession(
+        id=r[0],
+        owner=r[1],
+        backend=r[2],
+        state=r[3],
+        created_at=datetime.fromisoformat(r[4]),
+        limits=json.loads(r[5]),
+        metadata=json.loads(r[6]),
+        reason=r[7],
+        deleted_at=datetime.fromisoformat(r[8]) if r[8] else None,
+    )
+
+
+def _execution(r: sqlite3.Row) -> StoredExecution:
+    return StoredExecution(
+        id=r[0],
+        session_id=r[1],
+        owner=r[2],
+        code=r[3],
+        status=ExecutionStatus(r[4]),
+        idempotency_key=r[5],
+        created_at=datetime.fromisoformat(r[6]),
+        record=ExecutionRecord.model_validate_json(r[7]) if r[7] else None,
+    )
