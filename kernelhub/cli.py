@@ -55,6 +55,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sub.add_parser("reap", help="remove sandboxes and directories left by a crashed kernelhub")
 
+    serve = sub.add_parser("serve", help="run the gateway (REST + WebSocket)")
+    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default 8765)")
+    serve.add_argument("--backend", choices=["auto", "docker", "local"])
+
+    token = sub.add_parser("token", help="bearer tokens (stored hashed)")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    create = token_sub.add_parser("create", help="make a token and print it once")
+    create.add_argument("--name", required=True)
+    create.add_argument("--admin", action="store_true")
+    token_sub.add_parser("list", help="list tokens (names, never the secrets)")
+    revoke = token_sub.add_parser("revoke", help="revoke a token by name")
+    revoke.add_argument("name")
+
     args = parser.parse_args(argv)
     try:
         overrides = {"backend": args.backend} if getattr(args, "backend", None) else {}
@@ -68,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _image_build(settings, args.base, args.tag, args.mirror)
         if args.command == "reap":
             return asyncio.run(_reap(settings))
+        if args.command == "serve":
+            return _serve(settings, args.host, args.port)
+        if args.command == "token":
+            return asyncio.run(_token(settings, args))
     except KernelhubError as exc:
         print(f"kernelhub: {exc}", file=sys.stderr)
         return 1
@@ -173,6 +191,72 @@ async def _reap(settings: Settings) -> int:
     finally:
         await backend.close()
     print(f"removed {removed} orphaned sandbox(es)")
+    return 0
+
+
+def _serve(settings: Settings, host: str | None, port: int | None) -> int:
+    import logging
+
+    import uvicorn
+
+    from kernelhub.gateway.app import create_app
+
+    gateway = settings.gateway.model_copy(
+        update={k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    )
+    settings = settings.model_copy(update={"gateway": gateway})
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    first = asyncio.run(_bootstrap_token(settings))
+    if first:
+        print(f"no tokens existed; created admin token 'admin' (shown once): {first}", flush=True)
+    print(
+        f"kernelhub gateway on http://{gateway.host}:{gateway.port} (data in {settings.data_dir})",
+        flush=True,
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=gateway.host,
+        port=gateway.port,
+        log_level="warning",
+        ws_max_size=4 * 2**20,
+    )
+    return 0
+
+
+async def _bootstrap_token(settings: Settings) -> str | None:
+    from kernelhub.store.sqlite import SqliteStore
+
+    store = await SqliteStore.open(settings.data_dir / "kernelhub.sqlite3")
+    try:
+        if await store.list_tokens():
+            return None
+        return await store.create_token("admin", admin=True)
+    finally:
+        await store.close()
+
+
+async def _token(settings: Settings, args: argparse.Namespace) -> int:
+    from kernelhub.store.sqlite import SqliteStore
+
+    store = await SqliteStore.open(settings.data_dir / "kernelhub.sqlite3")
+    try:
+        if args.token_command == "create":
+            print(await store.create_token(args.name, admin=args.admin))
+        elif args.token_command == "list":
+            for t in await store.list_tokens():
+                state = f"revoked {t.revoked_at}" if t.revoked_at else "active"
+                print(
+                    f"{t.name}\t{'admin' if t.admin else 'user'}\t{state}\tcreated {t.created_at}"
+                )
+        elif args.token_command == "revoke":
+            if not await store.revoke_token(args.name):
+                print(f"kernelhub: no active token named {args.name!r}", file=sys.stderr)
+                return 1
+            print(f"revoked {args.name}")
+    finally:
+        await store.close()
     return 0
 
 

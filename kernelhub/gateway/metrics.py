@@ -1,0 +1,94 @@
+"""Prometheus metrics, on a registry of the app's own (never the global one)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kernelhub.models import ExecutionRecord
+
+if TYPE_CHECKING:
+    from kernelhub.session.manager import SessionManager
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.executions = Counter(
+            "kernelhub_executions",
+            "Finished executions by status",
+            ["status"],
+            registry=self.registry,
+        )
+        self.execution_seconds = Histogram(
+            "kernelhub_execution_seconds",
+            "Execution run time",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_wait_seconds = Histogram(
+            "kernelhub_queue_wait_seconds", "Time executions waited in their session's queue",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.start_seconds = Histogram(
+            "kernelhub_session_start_seconds", "Session start latency (sandbox + kernel ready)",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+
+    def on_final(self, record: ExecutionRecord) -> None:
+        self.executions.labels(record.status.value).inc()
+        if record.started_at is not None:
+            self.execution_seconds.observe(record.duration)
+            self.queue_wait_seconds.observe((record.started_at - record.queued_at).total_seconds())
+
+    def on_start(self, seconds: float) -> None:
+        self.start_seconds.observe(seconds)
+
+    def watch(self, manager: SessionManager) -> None:
+        self.registry.register(_LiveCollector(manager))
+
+
+class _LiveCollector(Collector):
+    """Read at scrape time: sessions by state, queue lengths, sandbox CPU and memory."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        by_state: dict[str, int] = {}
+        queued = GaugeMetricFamily("kernelhub_queue_length", "Executions waiting, all sessions")
+        cpu = GaugeMetricFamily(
+            "kernelhub_sandbox_cpu_seconds", "Sandbox CPU time", labels=["session"]
+        )
+        mem = GaugeMetricFamily(
+            "kernelhub_sandbox_memory_bytes", "Sandbox memory in use", labels=["session"]
+        )
+        total_queued = 0
+        for live in self.manager.sessions.values():
+            state = live.state.value
+            if live.kernel is not None and live.kernel.running is not None and state == "ready":
+                state = "busy"
+            by_state[state] = by_state.get(state, 0) + 1
+            if live.kernel is not None and live.kernel.alive:
+                total_queued += live.kernel.queue_length
+                usage = live.kernel.sandbox.usage()
+                if usage.cpu_seconds is not None:
+                    cpu.add_metric([live.id], usage.cpu_seconds)
+                if usage.memory_bytes is not None:
+                    mem.add_metric([live.id], usage.memory_bytes)
+        sessions = GaugeMetricFamily(
+            "kernelhub_sessions", "Live sessions by state", labels=["state"]
+        )
+        for state in ("starting", "ready", "busy", "dead"):
+            sessions.add_metric([state], by_state.get(state, 0))
+        queued.add_metric([], total_queued)
+        yield sessions
+        yield queued
+        yield cpu
+        yield mem

@@ -1,0 +1,156 @@
+"""REST handlers: parse, authorize, call the session manager, shape the answer."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field
+
+from kernelhub.gateway.auth import admin, client_address, principal
+from kernelhub.session.manager import SessionManager
+from kernelhub.store.sqlite import Principal, StoredExecution
+from kernelhub.wire import (
+    ErrorBody,
+    ExecutionCreate,
+    ExecutionInfo,
+    SessionCreate,
+    SessionInfo,
+    SessionList,
+)
+
+router = APIRouter()
+Caller = Annotated[Principal, Depends(principal)]
+Admin = Annotated[Principal, Depends(admin)]
+ERRORS: dict[int | str, dict[str, object]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 422, 429, 503)
+}
+
+
+class InputReply(BaseModel):
+    model_config = {"extra": "forbid"}
+    value: str = Field(max_length=1_000_000)
+
+
+def manager(request: Request) -> SessionManager:
+    m: SessionManager = request.app.state.manager
+    return m
+
+
+def _execution_info(row: StoredExecution, events: list | None) -> ExecutionInfo:  # type: ignore[type-arg]
+    return ExecutionInfo(
+        id=row.id,
+        session_id=row.session_id,
+        status=row.status,
+        code=row.code,
+        created_at=row.created_at,
+        record=row.record,
+        events=events,
+    )
+
+
+@router.get("/healthz", tags=["health"])
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", tags=["health"])
+async def readyz(request: Request) -> JSONResponse:
+    ready = getattr(request.app.state, "ready", False)
+    return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+
+@router.get("/metrics", tags=["health"])
+async def metrics(request: Request) -> Response:
+    return PlainTextResponse(
+        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )
+
+
+@router.post("/v1/sessions", status_code=201, responses=ERRORS, tags=["sessions"])
+async def create_session(body: SessionCreate, request: Request, caller: Caller) -> SessionInfo:
+    return await manager(request).create(caller, body, client_address(request))
+
+
+@router.get("/v1/sessions", responses=ERRORS, tags=["sessions"])
+async def list_sessions(request: Request, caller: Caller) -> SessionList:
+    return SessionList(sessions=await manager(request).list_sessions(caller))
+
+
+@router.get("/v1/sessions/{session_id}", responses=ERRORS, tags=["sessions"])
+async def get_session(session_id: str, request: Request, caller: Caller) -> SessionInfo:
+    return await manager(request).info(caller, session_id)
+
+
+@router.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS, tags=["sessions"])
+async def delete_session(session_id: str, request: Request, caller: Caller) -> Response:
+    await manager(request).delete(caller, session_id, client_address(request))
+    return Response(status_code=204)
+
+
+@router.post(
+    "/v1/sessions/{session_id}/executions",
+    responses={**ERRORS, 202: {"model": ExecutionInfo}},
+    tags=["executions"],
+)
+async def create_execution(
+    session_id: str, body: ExecutionCreate, request: Request, caller: Caller
+) -> JSONResponse:
+    """Run code. With ``wait`` the answer is the finished execution (200); otherwise 202
+    with the execution to poll or stream. A repeated ``idempotency_key`` returns the first
+    execution and runs nothing."""
+    m = manager(request)
+    row, handle, _created = await m.submit(caller, session_id, body, client_address(request))
+    if body.wait and handle is not None:
+        # The cell keeps running if this client goes away; only the wait is abandoned.
+        await asyncio.shield(handle.wait())
+    row, events = await m.execution(caller, row.id)
+    info = _execution_info(row, events)
+    return JSONResponse(info.model_dump(mode="json"), status_code=200 if row.record else 202)
+
+
+@router.get("/v1/executions/{execution_id}", responses=ERRORS, tags=["executions"])
+async def get_execution(execution_id: str, request: Request, caller: Caller) -> ExecutionInfo:
+    row, events = await manager(request).execution(caller, execution_id)
+    return _execution_info(row, events)
+
+
+@router.post(
+    "/v1/executions/{execution_id}/interrupt",
+    status_code=202,
+    responses=ERRORS,
+    tags=["executions"],
+)
+async def interrupt_execution(execution_id: str, request: Request, caller: Caller) -> ExecutionInfo:
+    row = await manager(request).interrupt(caller, execution_id)
+    return _execution_info(row, None)
+
+
+@router.post("/v1/executions/{execution_id}/cancel", responses=ERRORS, tags=["executions"])
+async def cancel_execution(execution_id: str, request: Request, caller: Caller) -> ExecutionInfo:
+    row = await manager(request).cancel(caller, execution_id)
+    return _execution_info(row, None)
+
+
+@router.post(
+    "/v1/executions/{execution_id}/input", status_code=202, responses=ERRORS, tags=["executions"]
+)
+async def reply_input(
+    execution_id: str, body: InputReply, request: Request, caller: Caller
+) -> dict[str, str]:
+    await manager(request).send_input(caller, execution_id, body.value)
+    return {"status": "sent"}
+
+
+@router.get("/v1/admin/sessions", responses=ERRORS, tags=["admin"])
+async def admin_sessions(request: Request, caller: Admin) -> SessionList:
+    return SessionList(sessions=await manager(request).list_sessions(caller, everyone=True))
+
+
+@router.post("/v1/admin/stop-all", responses=ERRORS, tags=["admin"])
+async def admin_stop_all(request: Request, caller: Admin) -> dict[str, int]:
+    return {"stopped": await manager(request).stop_all(caller, client_address(request))}

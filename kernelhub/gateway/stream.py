@@ -1,0 +1,184 @@
+"""The WebSocket endpoint ``/v1/sessions/{id}/stream`` (protocol: ``docs/protocol.md``).
+
+One task sends (replay from the store, then live events from the session's fan-out), the
+handler itself receives client frames. A client that stops reading is cut off with 4408
+once it is ``stream_buffer_bytes`` behind; it reconnects with ``since`` and loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import TypeAdapter, ValidationError
+
+from kernelhub.errors import AuthError, KernelhubError, NotFoundError
+from kernelhub.gateway.auth import client_address, websocket_principal
+from kernelhub.gateway.errors import status_for
+from kernelhub.session.fanout import Subscriber
+from kernelhub.session.manager import LiveSession, SessionManager
+from kernelhub.store.sqlite import Principal
+from kernelhub.wire import (
+    AcceptedFrame,
+    ClientFrame,
+    CloseCode,
+    ErrorFrame,
+    EventFrame,
+    ExecuteFrame,
+    ExecutionCreate,
+    HelloFrame,
+    InputReplyFrame,
+    InterruptFrame,
+    PingFrame,
+    PongFrame,
+)
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+_CLIENT_FRAME: TypeAdapter[ClientFrame] = TypeAdapter(ClientFrame)
+_REPLAY_PAGE = 500
+_MAX_FRAME_CHARS = 2_000_000
+
+
+class _Sender:
+    def __init__(self, ws: WebSocket) -> None:
+        self.ws = ws
+        self.lock = asyncio.Lock()
+
+    async def send(self, text: str) -> None:
+        async with self.lock:
+            await self.ws.send_text(text)
+
+
+@router.websocket("/v1/sessions/{session_id}/stream")
+async def stream(ws: WebSocket, session_id: str) -> None:
+    manager: SessionManager = ws.app.state.manager
+    try:
+        principal = await websocket_principal(ws)
+        live = manager.live(principal, session_id)
+        since = int(ws.query_params.get("since", "0"))
+        if since < 0:
+            raise ValueError
+    except AuthError as exc:
+        await ws.close(code=CloseCode.UNAUTHORIZED, reason=str(exc)[:120])
+        return
+    except NotFoundError:
+        await ws.close(code=CloseCode.NOT_FOUND, reason="no such session (or not yours)")
+        return
+    except ValueError:
+        await ws.close(code=CloseCode.POLICY, reason="since must be a non-negative integer")
+        return
+    await ws.accept()
+    sender = _Sender(ws)
+    budget = ws.app.state.settings.gateway.stream_buffer_bytes
+    sub = live.fanout.subscribe(budget)
+    pump = asyncio.create_task(_send_events(manager, live, sub, sender, since))
+    try:
+        receive = asyncio.create_task(_receive(ws, sender, manager, principal, live))
+        done, _ = await asyncio.wait({pump, receive}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (pump, receive):
+            if task not in done:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        if pump in done and not pump.cancelled() and pump.exception() is None:
+            code, reason = pump.result()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(code=code, reason=reason), 1.0)
+    finally:
+        live.fanout.unsubscribe(sub)
+
+
+async def _send_events(
+    manager: SessionManager, live: LiveSession, sub: Subscriber, sender: _Sender, since: int
+) -> tuple[int, str]:
+    """Replay from the store, then forward live events; returns the close code and reason."""
+    # Subscribed first, flushed second: every event is either in the store or queued.
+    await live.fanout.flush()
+    last_seq = live.kernel.last_seq if live.kernel else await manager.store.last_seq(live.id)
+    await sender.send(HelloFrame(session_id=live.id, last_seq=last_seq).model_dump_json())
+    last = since
+    while True:
+        page = await manager.store.events_since(live.id, last, _REPLAY_PAGE)
+        for event in page:
+            await sender.send(EventFrame(event=event).model_dump_json())
+            last = event.seq
+        if len(page) < _REPLAY_PAGE:
+            break
+    while True:
+        live_event = await sub.get()
+        if live_event is None:
+            return CloseCode.TOO_SLOW, f"client too slow; reconnect with since={last}"
+        if live_event.seq <= last:
+            continue
+        await sender.send(EventFrame(event=live_event).model_dump_json())
+        last = live_event.seq
+
+
+async def _receive(
+    ws: WebSocket, sender: _Sender, manager: SessionManager, principal: Principal, live: LiveSession
+) -> None:
+    while True:
+        try:
+            text = await ws.receive_text()
+        except (WebSocketDisconnect, RuntimeError, KeyError):
+            return  # the client left (binary frames are refused the same way)
+        request_id = None
+        try:
+            if len(text) > _MAX_FRAME_CHARS:
+                raise ValueError(f"frame larger than {_MAX_FRAME_CHARS} characters")
+            frame = _CLIENT_FRAME.validate_json(text)
+            request_id = frame.request_id
+            await _handle(frame, sender, manager, principal, live, client_address(ws))
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'frame'}: {e['msg']}"
+                for e in exc.errors()[:5]
+            )
+            await sender.send(
+                ErrorFrame(
+                    request_id=request_id,
+                    error="invalid_frame",
+                    message=f"fix the frame: {problems}",
+                ).model_dump_json()
+            )
+        except ValueError as exc:
+            await sender.send(
+                ErrorFrame(
+                    request_id=request_id, error="invalid_frame", message=str(exc)
+                ).model_dump_json()
+            )
+        except KernelhubError as exc:
+            _, code = status_for(exc)
+            await sender.send(
+                ErrorFrame(request_id=request_id, error=code, message=str(exc)).model_dump_json()
+            )
+
+
+async def _handle(
+    frame: ClientFrame,
+    sender: _Sender,
+    manager: SessionManager,
+    principal: Principal,
+    live: LiveSession,
+    client: str | None,
+) -> None:
+    if isinstance(frame, PingFrame):
+        await sender.send(PongFrame(request_id=frame.request_id).model_dump_json())
+    elif isinstance(frame, ExecuteFrame):
+        body = ExecutionCreate(
+            code=frame.code, timeout=frame.timeout, idempotency_key=frame.idempotency_key
+        )
+        row, _, _ = await manager.submit(principal, live.id, body, client)
+        await sender.send(
+            AcceptedFrame(request_id=frame.request_id, execution_id=row.id).model_dump_json()
+        )
+    elif isinstance(frame, InterruptFrame):
+        running = live.kernel.running if live.kernel else None
+        if running is None:
+            raise NotFoundError("no execution is running in this session")
+        await manager.interrupt(principal, running.id)
+    elif isinstance(frame, InputReplyFrame):
+        await manager.send_input(principal, frame.execution_id, frame.value)
