@@ -82,14 +82,14 @@ def _remove_everything_this_run_made() -> object:
         import docker
 
         client = docker.from_env(timeout=30)
-        for c in client.containers.list(
-            all=True, filters={"label": f"org.kernelhub.instance={RUN_INSTANCE}"}
-        ):
-            c.remove(force=True)
+        for c in client.containers.list(all=True, filters={"label": "org.kernelhub.instance"}):
+            if c.labels.get("org.kernelhub.instance", "").startswith(RUN_INSTANCE):
+                c.remove(force=True)
         client.close()
     except Exception:
         pass
     import shutil
 
     for base in (Path("/tmp/khrun"), Path("/run/kernelhub-test")):
-        shutil.rmtree(base / RUN_INSTANCE, ignore_errors=True)
+        for child in base.glob(f"{RUN_INSTANCE}*"):
+            shutil.rmtree(child, ignore_errors=True)

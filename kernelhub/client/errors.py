@@ -37,9 +37,7 @@ class ApiError(ClientError):
 
     hint = "see `message` and `detail`"
 
-    def __init__(
-        self, status: int | None, error: str, message: str, detail: Any = None
-    ) -> None:
+    def __init__(self, status: int | None, error: str, message: str, detail: Any = None) -> None:
         where = f"HTTP {status}" if status is not None else "gateway"
         super().__init__(f"{where} {error}: {message} — {self.hint}")
         self.status = status
@@ -57,7 +55,9 @@ class AuthError(ApiError):
 
 
 class NotFoundError(ApiError):
-    hint = "the id is wrong, was deleted, or belongs to another token; hub.list_sessions() shows yours"
+    hint = (
+        "the id is wrong, was deleted, or belongs to another token; hub.list_sessions() shows yours"
+    )
 
 
 class ConflictError(ApiError):
@@ -65,11 +65,15 @@ class ConflictError(ApiError):
 
 
 class SessionEndedError(ApiError):
-    hint = "the session has ended and cannot be used again; create a new one with hub.create_session()"
+    hint = (
+        "the session has ended and cannot be used again; create a new one with hub.create_session()"
+    )
 
 
 class RateLimitedError(ApiError):
-    hint = "slow down: wait `retry_after` seconds, or raise Hub(max_retries=...) to let the SDK wait"
+    hint = (
+        "slow down: wait `retry_after` seconds, or raise Hub(max_retries=...) to let the SDK wait"
+    )
 
     def __init__(
         self,

@@ -61,14 +61,12 @@ async def stream(ws: WebSocket, session_id: str) -> None:
         since = int(ws.query_params.get("since", "0"))
         if since < 0:
             raise ValueError
-    except AuthError as exc:
-        await ws.close(code=CloseCode.UNAUTHORIZED, reason=str(exc)[:120])
-        return
-    except NotFoundError:
-        await ws.close(code=CloseCode.NOT_FOUND, reason="no such session (or not yours)")
-        return
-    except ValueError:
-        await ws.close(code=CloseCode.POLICY, reason="since must be a non-negative integer")
+    except (AuthError, NotFoundError, ValueError) as exc:
+        # Accept, then close with an application code: closing before the handshake only
+        # gives the client a bare HTTP 403, with no reason it can act on.
+        code, reason = _refusal(exc)
+        await ws.accept()
+        await ws.close(code=code, reason=reason)
         return
     await ws.accept()
     sender = _Sender(ws)
@@ -89,6 +87,14 @@ async def stream(ws: WebSocket, session_id: str) -> None:
                 await asyncio.wait_for(ws.close(code=code, reason=reason), 1.0)
     finally:
         live.fanout.unsubscribe(sub)
+
+
+def _refusal(exc: Exception) -> tuple[int, str]:
+    if isinstance(exc, AuthError):
+        return CloseCode.UNAUTHORIZED, str(exc)[:120]
+    if isinstance(exc, NotFoundError):
+        return CloseCode.NOT_FOUND, "no such session (or not yours)"
+    return CloseCode.POLICY, "since must be a non-negative integer"
 
 
 async def _send_events(

@@ -1,0 +1,893 @@
+"""The async SDK: :class:`AsyncHub` (one gateway) and :class:`AsyncSession` (one kernel).
+
+REST goes through one ``httpx.AsyncClient`` and one request loop (:meth:`AsyncHub._send`),
+which is also the one place HTTP errors become exceptions. Live output goes over the
+session's WebSocket stream (:class:`_EventStream`), which reconnects on its own and resumes
+with ``since=<last seq seen>``, so a caller sees every event exactly once, in order.
+
+No background tasks: every socket and request belongs to the call that opened it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import random
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from types import TracebackType
+from typing import Any, Protocol, Self, TypeVar
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import httpx
+import pydantic
+from pydantic import BaseModel, TypeAdapter
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+
+from kernelhub import __version__
+from kernelhub.client.errors import (
+    CLOSE_CODE_STATUS,
+    ApiError,
+    ClientError,
+    GatewayUnreachableError,
+    ProtocolError,
+    RateLimitedError,
+    SessionEndedError,
+    StreamLostError,
+    api_error,
+)
+from kernelhub.models import (
+    Event,
+    Execution,
+    FinalEvent,
+    InputRequestEvent,
+    StreamEvent,
+)
+from kernelhub.wire import (
+    PROTOCOL_VERSION,
+    AcceptedFrame,
+    ErrorBody,
+    ErrorFrame,
+    EventFrame,
+    ExecuteFrame,
+    ExecutionCreate,
+    ExecutionInfo,
+    HelloFrame,
+    InputReplyFrame,
+    InterruptFrame,
+    LimitsIn,
+    PingFrame,
+    PongFrame,
+    ServerFrame,
+    SessionCreate,
+    SessionInfo,
+    SessionList,
+)
+
+__all__ = ["AsyncHub", "AsyncSession", "FileInfo"]
+
+M = TypeVar("M", bound=BaseModel)
+
+TextCallback = Callable[[str], object]
+"""Called with each chunk of stdout or stderr; may be async (its result is awaited)."""
+EventCallback = Callable[[Event], object]
+"""Called with every event of the execution, in order; may be async."""
+InputCallback = Callable[[str], "str | Awaitable[str]"]
+"""Called with the prompt when the cell calls ``input()``; returns the line to send."""
+
+_CHUNK_BYTES = 64 * 1024
+_MAX_FRAME_BYTES = 64 * 2**20  # one event; images in display data can be large
+_MAX_RETRY_WAIT = 60.0  # a Retry-After longer than this is handed to the caller
+_STABLE_CONNECTION = 10.0  # a socket that lived this long resets the reconnect budget
+_POLL_INTERVAL_MAX = 1.0
+_SERVER_FRAME: TypeAdapter[ServerFrame] = TypeAdapter(ServerFrame)
+_ClientFrame = ExecuteFrame | InterruptFrame | InputReplyFrame | PingFrame
+
+
+class FileInfo(BaseModel):
+    """What ``PUT /v1/sessions/{sid}/files/{path}`` answers."""
+
+    path: str
+    size: int
+
+
+class _Readable(Protocol):
+    """A binary file object, sync (``open(..., 'rb')``) or async (aiofiles)."""
+
+    def read(self, size: int, /) -> bytes | Awaitable[bytes]: ...
+
+
+class _Writable(Protocol):
+    def write(self, data: bytes, /) -> object: ...
+
+
+UploadData = bytes | bytearray | memoryview | AsyncIterable[bytes] | Iterable[bytes] | _Readable
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a user callback that may be sync or async."""
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+def _backoff(attempt: int) -> float:
+    """Seconds before retry ``attempt`` (1-based): 0.25, 0.5, 1, 2, 4, 4 ... with jitter."""
+    return min(0.25 * 2.0 ** (attempt - 1), 4.0) * random.uniform(0.5, 1.0)
+
+
+# -- the one place a refusal becomes an exception --------------------------------------
+
+
+def _retry_after(headers: httpx.Headers | Headers) -> float | None:
+    """``Retry-After`` in seconds: either delta-seconds or an HTTP date."""
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+def _http_error(status: int, headers: httpx.Headers | Headers, body: bytes) -> ApiError:
+    """An HTTP error answer (REST, or a refused WebSocket handshake) as an exception."""
+    try:
+        parsed = ErrorBody.model_validate_json(body)
+        error, message, detail = parsed.error, parsed.message, parsed.detail
+    except pydantic.ValidationError:
+        text = body.decode("utf-8", "replace").strip()[:500]
+        error, message, detail = f"http_{status}", text or "no error body", None
+    return api_error(status, error, message, detail, retry_after=_retry_after(headers))
+
+
+def _close_error(exc: ConnectionClosed, session_id: str) -> ClientError | None:
+    """The exception a WebSocket close stands for, or None if reconnecting may help."""
+    close = exc.rcvd or exc.sent
+    code = close.code if close is not None else 1006
+    reason = close.reason if close is not None else ""
+    status = CLOSE_CODE_STATUS.get(code)
+    if status is not None:
+        kind = {401: "unauthorized", 404: "not_found", 410: "session_ended"}[status]
+        what = reason or f"session {session_id}: closed with {code}"
+        return api_error(status, kind, what)
+    if code in (1002, 1003, 1007, 1009, 1010):
+        return ProtocolError(
+            f"the event stream of session {session_id} closed with {code} ({reason or 'no reason'}): "
+            f"a frame broke the protocol or exceeded {_MAX_FRAME_BYTES} bytes; "
+            "check that the SDK and gateway versions match"
+        )
+    return None
+
+
+def _parse(model: type[M], response: httpx.Response) -> M:
+    try:
+        return model.model_validate_json(response.content)
+    except pydantic.ValidationError as exc:
+        raise ProtocolError(
+            f"{response.request.method} {response.request.url.path} answered {response.status_code} "
+            f"with a body that is not a {model.__name__}: {exc.errors()[:3]}; "
+            "check that the SDK and gateway versions match"
+        ) from exc
+
+
+def _to_execution(info: ExecutionInfo) -> Execution:
+    if info.record is None or info.events is None:
+        raise ProtocolError(
+            f"execution {info.id} has status {info.status} but came without its record and events"
+        )
+    return Execution(record=info.record, events=info.events)
+
+
+# -- the hub ---------------------------------------------------------------------------
+
+
+class AsyncHub:
+    """One kernelhub gateway. ``async with AsyncHub(url, token) as hub: ...``
+
+    ``timeout`` bounds each HTTP request and WebSocket handshake in seconds (None: no
+    limit); a REST ``run`` waits as long as the execution takes, which the gateway bounds
+    by the cell timeout. ``max_retries`` re-sends a request that was refused with 429/503,
+    or never reached the gateway, or is safe to repeat (reads, idempotent executions).
+    ``max_reconnects`` is how many times in a row the event stream may reconnect without
+    receiving anything new before :class:`StreamLostError`. ``transport`` is passed to
+    httpx (tests use ``httpx.MockTransport``; REST only).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout: float | None = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_retries: int = 2,
+        max_reconnects: int = 5,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ClientError(
+                f"base_url must look like http://host:port or https://host, got {base_url!r}"
+            )
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.max_reconnects = max_reconnects
+        self._token = token
+        self._headers = {
+            "Authorization": f"Bearer {token}",
+            "User-Agent": f"kernelhub-python/{__version__}",
+        }
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
+        )
+
+    def __repr__(self) -> str:
+        return f"AsyncHub({self.base_url!r})"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP connection pool. Sessions stay alive on the gateway."""
+        await self._http.aclose()
+
+    async def create_session(
+        self,
+        limits: LimitsIn | dict[str, Any] | None = None,
+        metadata: dict[str, str | int | float | bool | None] | None = None,
+    ) -> AsyncSession:
+        """Start a new kernel. ``limits`` are capped by the operator's maxima."""
+        try:
+            body = SessionCreate(
+                limits=LimitsIn.model_validate(limits or {}), metadata=metadata or {}
+            )
+        except pydantic.ValidationError as exc:
+            raise api_error(
+                None, "invalid_request", f"bad session request: {exc.errors()}", exc.errors()
+            ) from exc
+        response = await self._send(
+            "POST", "/v1/sessions", json=body.model_dump(mode="json", exclude_none=True)
+        )
+        return AsyncSession(self, _parse(SessionInfo, response))
+
+    async def session(self, session_id: str) -> AsyncSession:
+        """Attach to an existing session of yours."""
+        response = await self._send("GET", f"/v1/sessions/{quote(session_id, safe='')}")
+        return AsyncSession(self, _parse(SessionInfo, response))
+
+    async def list_sessions(self) -> list[SessionInfo]:
+        """Your sessions (only those of this token)."""
+        return _parse(SessionList, await self._send("GET", "/v1/sessions")).sessions
+
+    async def health(self) -> dict[str, Any]:
+        """``GET /healthz``: the gateway's own answer; raises if it is not healthy."""
+        response = await self._send("GET", "/healthz")
+        try:
+            body = response.json()
+        except json.JSONDecodeError:
+            return {"status": response.text.strip()}
+        return body if isinstance(body, dict) else {"status": body}
+
+    # -- transport ---------------------------------------------------------------------
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | AsyncIterable[bytes] | None = None,
+        timeout: httpx.Timeout | None = None,
+        replay_safe: bool = False,
+        stream: bool = False,
+    ) -> httpx.Response:
+        """Send one request, retrying what is safe to retry; raise for any error answer.
+
+        A request that never reached the gateway, or was refused with 429/503, is retried
+        whatever it is; one that may have been carried out (a read timed out, 502/504) only
+        when ``replay_safe``. A streamed body is never retried. With ``stream`` the caller
+        owns the returned response and must close it.
+        """
+        retries = self.max_retries if content is None or isinstance(content, bytes) else 0
+        attempt = 0
+        while True:
+            request = self._http.build_request(
+                method,
+                path,
+                json=json,
+                content=content,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+            try:
+                response = await self._http.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                unsent = isinstance(
+                    exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
+                )
+                if attempt < retries and (unsent or replay_safe):
+                    attempt += 1
+                    await asyncio.sleep(_backoff(attempt))
+                    continue
+                maybe = "" if unsent else " (the gateway may have carried it out)"
+                raise GatewayUnreachableError(
+                    f"{method} {self.base_url}{path} failed{maybe}: {type(exc).__name__}: {exc}; "
+                    "check base_url= and that the gateway is running, or raise timeout="
+                ) from exc
+            if response.is_success:
+                return response
+            if stream:
+                await response.aread()
+                await response.aclose()
+            error = _http_error(response.status_code, response.headers, response.content)
+            delay = self._retry_delay(error, attempt + 1, replay_safe)
+            if attempt < retries and delay is not None:
+                attempt += 1
+                await asyncio.sleep(delay)
+                continue
+            raise error
+
+    @staticmethod
+    def _retry_delay(error: ApiError, attempt: int, replay_safe: bool) -> float | None:
+        """Seconds to wait before retrying after ``error``, or None not to retry."""
+        if error.status in (429, 503) or (replay_safe and error.status in (502, 504)):
+            after = error.retry_after if isinstance(error, RateLimitedError) else None
+            if after is None:
+                return _backoff(attempt)
+            return after if after <= _MAX_RETRY_WAIT else None
+        return None
+
+    def _ws_url(self, session_id: str, since: int) -> str:
+        parts = urlsplit(self.base_url)
+        scheme = "wss" if parts.scheme == "https" else "ws"
+        path = f"{parts.path}/v1/sessions/{quote(session_id, safe='')}/stream"
+        return urlunsplit((scheme, parts.netloc, path, f"since={since}", ""))
+
+
+# -- the session -----------------------------------------------------------------------
+
+
+class AsyncSession:
+    """One stateful kernel. Variables live across :meth:`run` calls::
+
+        await session.run("x = 1")
+        await session.run("print(x)", on_stdout=print)
+
+    Leaving ``async with session:`` deletes the session.
+    """
+
+    def __init__(self, hub: AsyncHub, info: SessionInfo) -> None:
+        self.hub = hub
+        self.last_info = info
+        self._last_seq = info.last_seq
+
+    def __repr__(self) -> str:
+        return f"AsyncSession({self.id!r}, state={self.last_info.state.value!r})"
+
+    @property
+    def id(self) -> str:
+        return self.last_info.id
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.delete()
+
+    @property
+    def _path(self) -> str:
+        return f"/v1/sessions/{quote(self.id, safe='')}"
+
+    def _saw(self, seq: int) -> None:
+        self._last_seq = max(self._last_seq, seq)
+
+    async def info(self) -> SessionInfo:
+        """Fetch the session's current state (also kept in :attr:`last_info`)."""
+        self.last_info = _parse(SessionInfo, await self.hub._send("GET", self._path))
+        self._saw(self.last_info.last_seq)
+        return self.last_info
+
+    async def delete(self) -> None:
+        """Stop the kernel and remove the session."""
+        await self.hub._send("DELETE", self._path)
+
+    # -- executions --------------------------------------------------------------------
+
+    async def run(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_stdout: TextCallback | None = None,
+        on_stderr: TextCallback | None = None,
+        on_event: EventCallback | None = None,
+        on_input: InputCallback | None = None,
+        idempotency_key: str | None = None,
+    ) -> Execution:
+        """Run ``code`` and return the finished :class:`Execution`.
+
+        ``timeout`` is the cell's limit in seconds (None: the session's). A failing cell is
+        not an exception: look at ``execution.error``. With any callback, output streams
+        over the WebSocket and callbacks are called in order as it arrives (they may be
+        async); ``on_input(prompt)`` answers ``input()`` — without it, a cell that asks
+        waits for :meth:`send_input` or its timeout. Without callbacks this is one REST
+        request. A fresh idempotency key is generated unless given, so the SDK's retries
+        and reconnects never run the code twice. Cancelling ``run`` or a callback raising
+        stops watching, not the execution: call :meth:`interrupt`.
+        """
+        user_key = idempotency_key is not None
+        key = idempotency_key or _new_id()
+        if any(cb is not None for cb in (on_stdout, on_stderr, on_event, on_input)):
+            callbacks = _Callbacks(on_stdout, on_stderr, on_event, on_input)
+            return await self._run_streamed(code, timeout, key, user_key, callbacks)
+        body = ExecutionCreate(code=code, timeout=timeout, wait=True, idempotency_key=key)
+        response = await self.hub._send(
+            "POST",
+            f"{self._path}/executions",
+            json=body.model_dump(mode="json", exclude_none=True),
+            # The gateway ends every execution by its cell timeout; only connecting is bounded.
+            timeout=httpx.Timeout(self.hub.timeout, read=None),
+            replay_safe=True,
+        )
+        info = _parse(ExecutionInfo, response)
+        if info.status.is_final and info.events is not None:
+            return self._finished(info)
+        return await self.wait(info.id)
+
+    async def submit(
+        self, code: str, *, timeout: float | None = None, idempotency_key: str | None = None
+    ) -> ExecutionInfo:
+        """Queue ``code`` and return at once (status queued or running); see :meth:`wait`."""
+        body = ExecutionCreate(
+            code=code, timeout=timeout, wait=False, idempotency_key=idempotency_key or _new_id()
+        )
+        response = await self.hub._send(
+            "POST",
+            f"{self._path}/executions",
+            json=body.model_dump(mode="json", exclude_none=True),
+            replay_safe=True,
+        )
+        return _parse(ExecutionInfo, response)
+
+    async def get_execution(self, execution_id: str) -> ExecutionInfo:
+        """The execution's state; ``events`` is filled in once it has finished."""
+        response = await self.hub._send(
+            "GET", f"/v1/executions/{quote(execution_id, safe='')}", replay_safe=True
+        )
+        return _parse(ExecutionInfo, response)
+
+    async def wait(self, execution_id: str) -> Execution:
+        """Poll until the execution has finished, then return it."""
+        delay = 0.05
+        while True:
+            info = await self.get_execution(execution_id)
+            if info.status.is_final and info.events is not None:
+                return self._finished(info)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _POLL_INTERVAL_MAX)
+
+    async def interrupt(self, execution_id: str) -> None:
+        """Send KeyboardInterrupt to a running execution; variables are kept."""
+        await self.hub._send("POST", f"/v1/executions/{quote(execution_id, safe='')}/interrupt")
+
+    async def cancel(self, execution_id: str) -> ExecutionInfo:
+        """Drop a queued execution before it starts."""
+        response = await self.hub._send(
+            "POST", f"/v1/executions/{quote(execution_id, safe='')}/cancel"
+        )
+        return _parse(ExecutionInfo, response)
+
+    async def send_input(self, execution_id: str, value: str) -> None:
+        """Answer the ``input()`` an execution is waiting on."""
+        await self.hub._send(
+            "POST", f"/v1/executions/{quote(execution_id, safe='')}/input", json={"value": value}
+        )
+
+    async def events(self, since: int = 0) -> AsyncIterator[Event]:
+        """Every event of every execution in this session with ``seq > since``, then live
+        ones, each exactly once and in order, across reconnects. Ends when the session
+        does. Close it when done: ``async with contextlib.aclosing(session.events()) as it``.
+        """
+        async with _EventStream(self.hub, self.id, since) as stream:
+            while True:
+                try:
+                    frame = await stream.receive()
+                except SessionEndedError:
+                    return
+                if isinstance(frame, EventFrame):
+                    self._saw(frame.event.seq)
+                    yield frame.event
+
+    def _finished(self, info: ExecutionInfo) -> Execution:
+        execution = _to_execution(info)
+        if execution.events:
+            self._saw(execution.events[-1].seq)
+        return execution
+
+    async def _run_streamed(
+        self, code: str, timeout: float | None, key: str, user_key: bool, callbacks: _Callbacks
+    ) -> Execution:
+        request_id = _new_id()
+        async with _EventStream(self.hub, self.id, since=self._last_seq) as stream:
+            await stream.open()
+            floor = stream.first_hello_seq  # every event up to here predates this request
+            await stream.send(
+                ExecuteFrame(
+                    type="execute",
+                    code=code,
+                    timeout=timeout,
+                    idempotency_key=key,
+                    request_id=request_id,
+                )
+            )
+            execution_id: str | None = None
+            early: list[Event] = []  # events that arrived before we knew our execution's id
+            collected: list[Event] = []
+            while True:
+                frame = await stream.receive()
+                if isinstance(frame, EventFrame):
+                    self._saw(frame.event.seq)
+                    if execution_id is None:
+                        if frame.event.seq > floor:
+                            early.append(frame.event)
+                        continue
+                    batch = [frame.event] if frame.event.execution_id == execution_id else []
+                elif isinstance(frame, AcceptedFrame) and frame.request_id == request_id:
+                    execution_id = frame.execution_id
+                    if user_key:
+                        # The key may name an execution from an earlier call, whose events
+                        # predate this stream: if it has finished, its record says it all.
+                        info = await self.get_execution(execution_id)
+                        if info.status.is_final:
+                            execution = self._finished(info)
+                            for event in execution.events:  # a replay: nothing to answer
+                                await callbacks.dispatch(event, None, execution_id)
+                            return execution
+                    batch = [e for e in early if e.execution_id == execution_id]
+                    early.clear()
+                elif isinstance(frame, ErrorFrame) and frame.request_id in stream.sent_ids:
+                    raise api_error(None, frame.error, frame.message)
+                else:
+                    continue
+                for event in batch:
+                    collected.append(event)
+                    assert execution_id is not None
+                    try:
+                        await callbacks.dispatch(event, stream, execution_id)
+                    except Exception as exc:
+                        exc.add_note(
+                            f"execution {execution_id} keeps running; "
+                            f"session.interrupt({execution_id!r}) stops it"
+                        )
+                        raise
+                    if isinstance(event, FinalEvent):
+                        if user_key:  # it may have started before this stream did
+                            return self._finished(await self.get_execution(execution_id))
+                        return Execution(record=event.record, events=collected)
+
+    # -- files -------------------------------------------------------------------------
+
+    async def upload(self, path: str, data: UploadData) -> FileInfo:
+        """Write a file into the session's workspace. ``data`` is bytes, a (sync or async)
+        iterable of byte chunks, or a binary file object; chunks are streamed, not buffered.
+        """
+        content: bytes | AsyncIterable[bytes] = (
+            bytes(data) if isinstance(data, bytes | bytearray | memoryview) else _chunks(data)
+        )
+        response = await self.hub._send(
+            "PUT", self._file_path(path), content=content, replay_safe=True
+        )
+        return _parse(FileInfo, response)
+
+    async def download(self, path: str) -> bytes:
+        """Read a whole file from the session's workspace into memory."""
+        response = await self.hub._send("GET", self._file_path(path), replay_safe=True)
+        return response.content
+
+    async def download_to(self, path: str, file: _Writable) -> int:
+        """Stream a file from the workspace into ``file`` (sync or async); returns its size."""
+        response = await self.hub._send("GET", self._file_path(path), replay_safe=True, stream=True)
+        size = 0
+        try:
+            async for chunk in response.aiter_bytes(_CHUNK_BYTES):
+                written = file.write(chunk)
+                if inspect.isawaitable(written):
+                    await written
+                size += len(chunk)
+        except httpx.TransportError as exc:
+            raise GatewayUnreachableError(
+                f"downloading {path!r} from session {self.id} broke off after {size} bytes: "
+                f"{type(exc).__name__}: {exc}; try again"
+            ) from exc
+        finally:
+            await response.aclose()
+        return size
+
+    def _file_path(self, path: str) -> str:
+        relative = path.lstrip("/")
+        if not relative:
+            raise api_error(None, "invalid_request", f"a file path is required, got {path!r}")
+        return f"{self._path}/files/{quote(relative, safe='/')}"
+
+
+async def _chunks(data: AsyncIterable[bytes] | Iterable[bytes] | _Readable) -> AsyncIterator[bytes]:
+    if hasattr(data, "read"):  # before AsyncIterable: async files iterate by line
+        while True:
+            got = data.read(_CHUNK_BYTES)
+            chunk = await got if inspect.isawaitable(got) else got
+            if not chunk:
+                return
+            yield bytes(chunk)
+    elif isinstance(data, AsyncIterable):
+        async for chunk in data:
+            yield bytes(chunk)
+    else:
+        for chunk in data:
+            yield bytes(chunk)
+
+
+class _Callbacks:
+    """The callbacks of one ``run``, dispatched in event order."""
+
+    def __init__(
+        self,
+        on_stdout: TextCallback | None,
+        on_stderr: TextCallback | None,
+        on_event: EventCallback | None,
+        on_input: InputCallback | None,
+    ) -> None:
+        self.on_stdout = on_stdout
+        self.on_stderr = on_stderr
+        self.on_event = on_event
+        self.on_input = on_input
+
+    async def dispatch(self, event: Event, stream: _EventStream | None, execution_id: str) -> None:
+        if self.on_event is not None:
+            await _call(self.on_event, event)
+        if isinstance(event, StreamEvent):
+            callback = self.on_stdout if event.name == "stdout" else self.on_stderr
+            if callback is not None:
+                await _call(callback, event.text)
+        elif isinstance(event, InputRequestEvent) and self.on_input is not None and stream:
+            value = await _call(self.on_input, event.prompt)
+            await stream.send(
+                InputReplyFrame(
+                    type="input_reply",
+                    execution_id=execution_id,
+                    value=str(value),
+                    request_id=_new_id(),
+                )
+            )
+
+
+# -- the event stream ------------------------------------------------------------------
+
+
+class _EventStream:
+    """One session's events over as many WebSocket connections as it takes.
+
+    Calling contract: one task calls :meth:`open` (optional), then :meth:`receive`
+    repeatedly, :meth:`send` in between, and :meth:`aclose` at the end (``async with``).
+    :meth:`receive` returns each event frame once, in ``seq`` order, and the answers to
+    requests (accepted, error, pong). When the socket drops or the gateway closes it as too
+    slow (4408), it reconnects with ``since=<last seq returned>`` and drops replayed
+    duplicates, so nothing is lost or repeated. Execute frames not yet answered are re-sent
+    after a reconnect (they carry an idempotency key, so the gateway runs them once); other
+    frames are re-sent only if they could not be written. Gives up with
+    :class:`StreamLostError` after ``hub.max_reconnects`` reconnects in a row that brought
+    no new event; closes that mean "no" (4401, 4404, 4410) raise their :class:`ApiError`.
+    """
+
+    def __init__(self, hub: AsyncHub, session_id: str, since: int) -> None:
+        self.hub = hub
+        self.session_id = session_id
+        self.last_seq = since
+        self.first_hello_seq = since
+        self.sent_ids: set[str] = set()
+        self._ws: ClientConnection | None = None
+        self._hello_seen = False
+        self._unanswered: dict[str, ExecuteFrame] = {}
+        self._outbox: list[_ClientFrame] = []
+        self._failures = 0
+        self._connected_at = 0.0
+        self._last_error: BaseException | None = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            await ws.close()
+
+    async def open(self) -> None:
+        if self._ws is None:
+            await self._reconnect()
+
+    async def send(self, frame: _ClientFrame) -> None:
+        if frame.request_id is not None:
+            self.sent_ids.add(frame.request_id)
+            if isinstance(frame, ExecuteFrame):
+                self._unanswered[frame.request_id] = frame
+        if self._ws is not None:
+            try:
+                await self._ws.send(frame.model_dump_json(exclude_none=True))
+                return
+            except ConnectionClosed:
+                pass  # receive() sees the close and reconnects
+        if not isinstance(frame, ExecuteFrame):
+            self._outbox.append(frame)
+
+    async def receive(self) -> EventFrame | AcceptedFrame | ErrorFrame | PongFrame:
+        while True:
+            if self._ws is None:
+                await self._reconnect()
+            assert self._ws is not None
+            try:
+                raw = await self._ws.recv()
+            except ConnectionClosed as exc:
+                self._dropped(exc)
+                continue
+            frame = self._parse(raw)
+            if isinstance(frame, EventFrame):
+                if frame.event.seq <= self.last_seq:
+                    continue  # a replayed duplicate
+                self.last_seq = frame.event.seq
+                self._failures = 0
+                return frame
+            if isinstance(frame, HelloFrame):
+                continue  # only the first frame of a connection is meaningful as hello
+            if isinstance(frame, AcceptedFrame | ErrorFrame) and frame.request_id is not None:
+                self._unanswered.pop(frame.request_id, None)
+            return frame
+
+    def _parse(self, raw: str | bytes) -> ServerFrame:
+        try:
+            return _SERVER_FRAME.validate_json(raw)
+        except pydantic.ValidationError as exc:
+            raise ProtocolError(
+                f"session {self.session_id}'s stream sent a frame this SDK cannot read "
+                f"({exc.errors()[:2]}): {raw[:200]!r}; check that the SDK and gateway versions match"
+            ) from exc
+
+    def _dropped(self, exc: ConnectionClosed) -> None:
+        self._ws = None
+        error = _close_error(exc, self.session_id)
+        if error is not None:
+            raise error from exc
+        self._last_error = exc
+
+    async def _reconnect(self) -> None:
+        if self._connected_at and time.monotonic() - self._connected_at > _STABLE_CONNECTION:
+            self._failures = 0
+        while True:
+            self._failures += 1
+            if self._failures > self.hub.max_reconnects + 1:
+                raise StreamLostError(
+                    f"lost the event stream of session {self.session_id}: "
+                    f"{self._failures - 1} connection attempts in a row brought nothing new "
+                    f"(last: {self._last_error!r}); every event up to seq {self.last_seq} was "
+                    f"delivered — resume with session.events(since={self.last_seq}), or raise "
+                    "Hub(max_reconnects=...)",
+                    last_seq=self.last_seq,
+                ) from self._last_error
+            retry_after = (
+                self._last_error.retry_after
+                if isinstance(self._last_error, RateLimitedError)
+                else None
+            )
+            if retry_after is not None:
+                await asyncio.sleep(min(retry_after, _MAX_RETRY_WAIT))
+            elif self._failures > 1:
+                await asyncio.sleep(_backoff(self._failures - 1))
+            try:
+                await self._connect()
+                return
+            except _Retry as exc:
+                self._last_error = exc.error
+            except (OSError, TimeoutError, WebSocketException) as exc:
+                self._last_error = exc
+
+    async def _connect(self) -> None:
+        """One attempt. Raises :class:`_Retry`, ``OSError``, ``TimeoutError`` or a websockets
+        error when another attempt may help; any other exception ends the stream."""
+        url = self.hub._ws_url(self.session_id, self.last_seq)
+        try:
+            ws = await connect(
+                url,
+                additional_headers=self.hub._headers,
+                user_agent_header=None,
+                open_timeout=self.hub.timeout,
+                max_size=_MAX_FRAME_BYTES,
+            )
+        except InvalidStatus as exc:
+            response = exc.response
+            error = _http_error(response.status_code, response.headers, bytes(response.body))
+            if error.status in (429, 502, 503, 504):
+                raise _Retry(error) from exc
+            raise error from exc
+        try:
+            async with asyncio.timeout(self.hub.timeout):
+                raw = await ws.recv()
+        except ConnectionClosed as exc:
+            refusal = _close_error(exc, self.session_id)
+            if refusal is not None:
+                raise refusal from exc
+            raise
+        except BaseException:
+            await ws.close()
+            raise
+        hello = self._parse(raw)
+        problem = None
+        if not isinstance(hello, HelloFrame):
+            problem = f"the first frame was {hello.type!r}, not 'hello'"
+        elif hello.protocol != PROTOCOL_VERSION:
+            problem = (
+                f"the gateway speaks protocol {hello.protocol}, this SDK speaks "
+                f"{PROTOCOL_VERSION}; install the kernelhub version that matches the gateway"
+            )
+        elif hello.last_seq < self.last_seq:
+            problem = (
+                f"the gateway's last seq is {hello.last_seq} but this client already saw "
+                f"seq {self.last_seq}; the gateway lost events (was its store reset?)"
+            )
+        if problem is not None:
+            await ws.close()
+            raise ProtocolError(f"session {self.session_id}: {problem}")
+        assert isinstance(hello, HelloFrame)
+        if not self._hello_seen:
+            self._hello_seen = True
+            self.first_hello_seq = hello.last_seq
+        self._ws = ws
+        self._connected_at = time.monotonic()
+        pending = [*self._unanswered.values(), *self._outbox]
+        self._outbox.clear()
+        for frame in pending:
+            await self.send(frame)
+
+
+class _Retry(Exception):
+    """A refused handshake worth another attempt (429, 502-504)."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(str(error))
+        self.error = error

@@ -1,0 +1,109 @@
+"""A real gateway: `kernelhub serve` in its own process on a loopback port, real Docker
+sandboxes, a temporary data directory. Killable with SIGKILL and restartable on the same
+data, which is how the restart tests work."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import RUN_INSTANCE, UNIT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Gateway:
+    def __init__(self, data_dir: Path, run_dir: Path, **env: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "KERNELHUB_DATA_DIR": str(data_dir),
+            "KERNELHUB_RUN_DIR": str(run_dir),
+            "KERNELHUB_BACKEND": "docker",
+            "KERNELHUB_GATEWAY__PORT": str(self.port),
+            "KERNELHUB_GATEWAY__INSTANCE": f"{RUN_INSTANCE}-g",
+            **env,
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = data_dir.parent / f"gateway-{self.port}.log"
+
+    def cli(self, *args: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "kernelhub.cli", *args],
+            env=self.env, capture_output=True, text=True, check=True, timeout=60,
+        )  # fmt: skip
+        return out.stdout.strip()
+
+    def token(self, name: str, *, admin: bool = False) -> str:
+        return self.cli("token", "create", "--name", name, *(["--admin"] if admin else []))
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kernelhub.cli", "serve"],
+                env=self.env,
+                stdout=log,
+                stderr=log,
+            )
+        deadline = time.monotonic() + 60 * UNIT
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"gateway exited: {self.log.read_text()[-2000:]}"
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"gateway not ready: {self.log.read_text()[-2000:]}")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def rss(self) -> int:
+        assert self.proc is not None
+        return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[Gateway]:
+    run_dir = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
+    gw = Gateway(tmp_path / "data", run_dir)
+    gw.start()
+    yield gw
+    gw.stop()
+    # A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
+    # test removes them (by label, as any cleanup must).
+    import docker
+
+    client = docker.from_env()
+    label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
+    for container in client.containers.list(all=True, filters={"label": label}):
+        container.remove(force=True)
+    client.close()

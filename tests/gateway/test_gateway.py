@@ -1,0 +1,389 @@
+"""The gateway end to end over real HTTP and WebSocket, real uvicorn, real Docker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from tests.conftest import UNIT
+from tests.gateway.conftest import Gateway
+
+pytestmark = pytest.mark.docker
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def new_session(http: httpx.AsyncClient, token: str, **body: Any) -> str:
+    r = await http.post("/v1/sessions", json=body, headers=auth(token))
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+async def run(
+    http: httpx.AsyncClient, token: str, sid: str, code: str, **extra: Any
+) -> dict[str, Any]:
+    r = await http.post(
+        f"/v1/sessions/{sid}/executions",
+        json={"code": code, "wait": True, **extra},
+        headers=auth(token),
+    )
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def stdout(execution: dict[str, Any]) -> str:
+    return "".join(
+        e["text"] for e in execution["events"] if e["type"] == "stream" and e["name"] == "stdout"
+    )
+
+
+@pytest.fixture
+async def http(gateway: Gateway) -> Any:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as client:
+        yield client
+
+
+async def test_state_persists_and_openapi_is_served(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token, metadata={"purpose": "test"})
+    await run(http, token, sid, "x = 41")
+    result = await run(http, token, sid, "print(x + 1)")
+    assert stdout(result) == "42\n" and result["status"] == "completed"
+    spec = (await http.get("/openapi.json")).json()
+    assert "/v1/sessions/{session_id}/executions" in spec["paths"]
+    assert (await http.get("/healthz")).status_code == 200
+    metrics = (await http.get("/metrics")).text
+    assert 'kernelhub_executions_total{status="completed"}' in metrics
+    assert "kernelhub_sessions" in metrics and "kernelhub_session_start_seconds" in metrics
+
+
+async def test_two_principals_cannot_see_each_other(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    alice, bob = gateway.token("alice"), gateway.token("bob")
+    sid = await new_session(http, alice)
+    execution = await run(http, alice, sid, "secret = 1")
+    for method, path in [
+        ("GET", f"/v1/sessions/{sid}"),
+        ("DELETE", f"/v1/sessions/{sid}"),
+        ("POST", f"/v1/sessions/{sid}/executions"),
+        ("GET", f"/v1/executions/{execution['id']}"),
+        ("POST", f"/v1/executions/{execution['id']}/interrupt"),
+    ]:
+        body = {"code": "secret"} if method == "POST" and path.endswith("executions") else None
+        r = await http.request(method, path, json=body, headers=auth(bob))
+        assert r.status_code == 404, (method, path, r.text)
+    listed = (await http.get("/v1/sessions", headers=auth(bob))).json()["sessions"]
+    assert listed == []
+    with pytest.raises(ConnectionClosed) as closed:
+        async with connect(
+            f"{gateway.ws_url}/v1/sessions/{sid}/stream", additional_headers=auth(bob)
+        ) as ws:
+            await ws.recv()
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 4404
+    assert (await http.get("/v1/admin/sessions", headers=auth(alice))).status_code == 403
+    admin = gateway.token("root", admin=True)
+    everyone = (await http.get("/v1/admin/sessions", headers=auth(admin))).json()["sessions"]
+    assert [s["id"] for s in everyone] == [sid]
+
+
+async def test_idempotent_retry_runs_once(gateway: Gateway, http: httpx.AsyncClient) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    code = "n = globals().get('n', 0) + 1\nn"
+    first, second = await asyncio.gather(
+        run(http, token, sid, code, idempotency_key="k-1"),
+        run(http, token, sid, code, idempotency_key="k-1"),
+    )
+    assert first["id"] == second["id"]
+    again = await run(http, token, sid, code, idempotency_key="k-1")
+    assert again["id"] == first["id"]
+    check = await run(http, token, sid, "print(n)")
+    assert stdout(check) == "1\n"
+
+
+async def test_async_execution_poll_interrupt_and_cancel(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    r = await http.post(
+        f"/v1/sessions/{sid}/executions",
+        json={"code": "import time; time.sleep(60)"},
+        headers=auth(token),
+    )
+    assert r.status_code == 202 and r.json()["status"] in ("queued", "running")
+    long_id = r.json()["id"]
+    r = await http.post(f"/v1/sessions/{sid}/executions", json={"code": "1"}, headers=auth(token))
+    queued_id = r.json()["id"]
+    r = await http.post(f"/v1/executions/{queued_id}/cancel", headers=auth(token))
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    for _ in range(100):
+        if (await http.get(f"/v1/executions/{long_id}", headers=auth(token))).json()[
+            "status"
+        ] == "running":
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    r = await http.post(f"/v1/executions/{long_id}/interrupt", headers=auth(token))
+    assert r.status_code == 202, r.text
+    for _ in range(100):
+        info = (await http.get(f"/v1/executions/{long_id}", headers=auth(token))).json()
+        if info["record"]:
+            break
+        await asyncio.sleep(0.05)
+    assert info["status"] == "interrupted" and info["events"][-1]["type"] == "final"
+    r = await http.post(f"/v1/executions/{long_id}/cancel", headers=auth(token))
+    assert r.status_code == 409 and "queued" in r.json()["message"]
+
+
+async def test_input_is_answered_over_rest(gateway: Gateway, http: httpx.AsyncClient) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    r = await http.post(
+        f"/v1/sessions/{sid}/executions",
+        json={"code": "print('got', input('? '))"},
+        headers=auth(token),
+    )
+    eid = r.json()["id"]
+    for _ in range(200):
+        if (await http.get(f"/v1/executions/{eid}", headers=auth(token))).json()[
+            "status"
+        ] == "awaiting_input":
+            break
+        await asyncio.sleep(0.05)
+    r = await http.post(f"/v1/executions/{eid}/input", json={"value": "yes"}, headers=auth(token))
+    assert r.status_code == 202, r.text
+    for _ in range(200):
+        info = (await http.get(f"/v1/executions/{eid}", headers=auth(token))).json()
+        if info["record"]:
+            break
+        await asyncio.sleep(0.05)
+    assert stdout(info).endswith("got yes\n")
+
+
+async def test_counting_transcript_survives_20_reconnects(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    url = f"{gateway.ws_url}/v1/sessions/{sid}/stream"
+    seen: dict[int, dict[str, Any]] = {}
+    last = 0
+    execution_id = None
+    finals = 0
+    async with connect(f"{url}?since=0", additional_headers=auth(token)) as ws:
+        assert json.loads(await ws.recv())["type"] == "hello"
+        code = "import time\nfor i in range(20000):\n    print(i)\n    if i % 200 == 0:\n        time.sleep(0.02)"
+        await ws.send(json.dumps({"type": "execute", "code": code, "request_id": "r1"}))
+    reconnects = 0
+    done = False
+    while not done:
+        async with connect(f"{url}?since={last}", additional_headers=auth(token)) as ws:
+            reconnects += 1
+            budget = random.randint(1, 4)  # frames to read before dropping the connection
+            while budget > 0 or reconnects > 20:
+                frame = json.loads(await asyncio.wait_for(ws.recv(), 60 * UNIT))
+                if frame["type"] == "accepted":
+                    execution_id = frame["execution_id"]
+                if frame["type"] != "event":
+                    continue
+                event = frame["event"]
+                assert event["seq"] > last, "duplicate or out-of-order event"
+                seen[event["seq"]] = event
+                last = event["seq"]
+                budget -= 1
+                if event["type"] == "final":
+                    finals += 1
+                    done = True
+                    break
+    assert reconnects > 20
+    assert finals == 1
+    assert sorted(seen) == list(range(1, last + 1)), "gap in the sequence"
+    text = "".join(e["text"] for e in seen.values() if e["type"] == "stream")
+    assert text == "".join(f"{i}\n" for i in range(20000))
+    assert execution_id is None or all(e["execution_id"] == execution_id for e in seen.values())
+
+
+async def test_disconnecting_client_does_not_stop_the_cell(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    url = f"{gateway.ws_url}/v1/sessions/{sid}/stream"
+    async with connect(url, additional_headers=auth(token)) as ws:
+        await ws.recv()
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "execute",
+                    "code": "import time\nfor i in range(5):\n    print(i, flush=True)\n    time.sleep(0.2)",
+                    "request_id": "a",
+                }
+            )
+        )
+        while json.loads(await ws.recv())["type"] != "accepted":
+            pass
+    # Gone mid-cell. The cell finishes and its output is stored.
+    for _ in range(100):
+        sessions = (await http.get(f"/v1/sessions/{sid}", headers=auth(token))).json()
+        if sessions["state"] == "ready":
+            break
+        await asyncio.sleep(0.1)
+    async with connect(f"{url}?since=0", additional_headers=auth(token)) as ws:
+        events = []
+        while not events or events[-1]["type"] != "final":
+            frame = json.loads(await ws.recv())
+            if frame["type"] == "event":
+                events.append(frame["event"])
+    assert "".join(e["text"] for e in events if e["type"] == "stream") == "0\n1\n2\n3\n4\n"
+
+
+async def test_kill_9_and_restart_keeps_variables_and_history(gateway: Gateway) -> None:
+    token = gateway.token("alice")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60 * UNIT) as http:
+        sid = await new_session(http, token)
+        first = await run(
+            http, token, sid, "import numpy as np\nkept = np.arange(5)\nprint('before')"
+        )
+    gateway.kill9()
+    gateway.start()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60 * UNIT) as http:
+        old = (await http.get(f"/v1/executions/{first['id']}", headers=auth(token))).json()
+        assert stdout(old) == "before\n"
+        info = (await http.get(f"/v1/sessions/{sid}", headers=auth(token))).json()
+        assert info["state"] == "ready", info
+        after = await run(http, token, sid, "print(kept.sum())")
+        assert stdout(after) == "10\n"
+        events = [e["seq"] for e in after["events"]]
+        assert min(events) > max(e["seq"] for e in old["events"])
+
+
+async def test_client_that_never_reads_is_cut_off_and_memory_stays_bounded(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token, limits={"output_bytes": 64 * 2**20})
+    rss_before = gateway.rss()
+    url = f"{gateway.ws_url}/v1/sessions/{sid}/stream"
+    # A client that connects and never reads (tiny receive buffer, no recv calls).
+    ws = await connect(url, additional_headers=auth(token), max_queue=1)
+    try:
+        result = await run(
+            http,
+            token,
+            sid,
+            "import sys\nfor i in range(400):\n    sys.stdout.write('y' * 100_000 + '\\n')",
+            timeout=120,
+        )
+        assert result["status"] == "completed"
+        growth = gateway.rss() - rss_before
+        assert growth < 200 * 2**20, f"gateway RSS grew {growth / 2**20:.0f} MiB"
+        # It was cut off with the documented close code, and can catch up by replay.
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                await asyncio.wait_for(ws.recv(), 30 * UNIT)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 4408
+        assert "since=" in closed.value.rcvd.reason
+    finally:
+        await ws.close()
+    assert (await http.get("/healthz")).status_code == 200
+
+
+async def test_bad_requests_get_clear_4xx_and_the_gateway_keeps_serving(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    h = auth(token)
+    cases: list[tuple[str, str, Any, dict[str, str]]] = [
+        ("POST", "/v1/sessions", "{not json", {}),
+        ("POST", "/v1/sessions", {"limits": {"memory_bytes": "lots"}}, {}),
+        ("POST", "/v1/sessions", {"unknown": 1}, {}),
+        ("POST", "/v1/sessions", {"limits": {"memory_bytes": 10**15}}, {}),
+        ("POST", f"/v1/sessions/{sid}/executions", {"code": 5}, {}),
+        ("POST", f"/v1/sessions/{sid}/executions", {"code": "1", "timeout": -1}, {}),
+        ("POST", f"/v1/sessions/{sid}/executions", {"code": "x" * 3_000_000}, {}),
+        ("POST", "/v1/sessions/nope/executions", {"code": "1"}, {}),
+        ("GET", "/v1/executions/nope", None, {}),
+        ("GET", "/v1/sessions", None, {"Authorization": "Bearer wrong"}),
+        ("GET", "/v1/sessions", None, {"Authorization": "Basic x"}),
+        ("DELETE", "/v1/sessions", None, {}),
+    ]
+    rng = random.Random(7)
+    for _ in range(40):  # plus random junk bodies
+        junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+        cases.append(
+            ("POST", rng.choice(["/v1/sessions", f"/v1/sessions/{sid}/executions"]), junk, {})
+        )
+    for method, path, body, headers in cases:
+        kwargs: dict[str, Any] = {"headers": {**h, **headers}}
+        if isinstance(body, (dict, list)):
+            kwargs["json"] = body
+        elif body is not None:
+            kwargs["content"] = body if isinstance(body, bytes) else body.encode()
+            kwargs["headers"]["content-type"] = "application/json"
+        r = await http.request(method, path, **kwargs)
+        assert 400 <= r.status_code < 500, (method, path, r.status_code, r.text[:200])
+        payload = r.json()
+        assert payload["error"] and payload["message"], payload
+        assert "Traceback" not in r.text
+    # A deleted session refuses work with a clear conflict, and the gateway still serves.
+    assert (await http.delete(f"/v1/sessions/{sid}", headers=h)).status_code == 204
+    r = await http.post(f"/v1/sessions/{sid}/executions", json={"code": "1"}, headers=h)
+    assert r.status_code == 404
+    sid2 = await new_session(http, token)
+    assert stdout(await run(http, token, sid2, "print('alive')")) == "alive\n"
+
+
+async def test_bad_websocket_frames_get_error_frames(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    async with connect(
+        f"{gateway.ws_url}/v1/sessions/{sid}/stream", additional_headers=auth(token)
+    ) as ws:
+        await ws.recv()
+        for bad in [
+            "not json",
+            json.dumps({"type": "nope"}),
+            json.dumps({"type": "execute"}),
+            json.dumps({"type": "execute", "code": "1", "extra": 1}),
+            json.dumps({"type": "input_reply", "execution_id": "x", "value": "v"}),
+        ]:
+            await ws.send(bad)
+            frame = json.loads(await ws.recv())
+            assert frame["type"] == "error" and frame["message"], frame
+        await ws.send(json.dumps({"type": "ping", "request_id": "p"}))
+        assert json.loads(await ws.recv()) == {"type": "pong", "request_id": "p"}
+
+
+async def test_quota_answers_429_with_retry_after(tmp_path: Any) -> None:
+    import os
+    from pathlib import Path
+
+    run_dir = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
+    gw = Gateway(tmp_path / "data", run_dir, KERNELHUB_GATEWAY__MAX_SESSIONS_PER_PRINCIPAL="1")
+    gw.start()
+    try:
+        token = gw.token(f"u{uuid.uuid4().hex[:6]}")
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60 * UNIT) as http:
+            await new_session(http, token)
+            r = await http.post("/v1/sessions", json={}, headers=auth(token))
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert "delete one" in r.json()["message"]
+    finally:
+        gw.stop()
