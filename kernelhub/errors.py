@@ -20,6 +20,7 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     ├── AuthError                missing, unknown or revoked token; or not an admin
     ├── QuotaError               too many sessions, queued cells or bytes; retry later
     └── InvalidRequestError      a request the gateway understood but cannot honour
+        └── TooLargeError        a body or file over its size limit
 
 The gateway maps these to HTTP in one table (``gateway/errors.py``).
 """
@@ -107,3 +108,7 @@ class QuotaError(KernelhubError):
 
 class InvalidRequestError(KernelhubError):
     """A well-formed request that cannot be honoured (a path outside /workspace …)."""
+
+
+class TooLargeError(InvalidRequestError):
+    """Over a size limit; the message names the limit and its setting."""

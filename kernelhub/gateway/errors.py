@@ -25,6 +25,7 @@ from kernelhub.errors import (
     QuotaError,
     SandboxError,
     SessionError,
+    TooLargeError,
 )
 from kernelhub.store.sqlite import StoreError
 
@@ -35,6 +36,7 @@ STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
     (NotFoundError, 404, "not_found"),
     (AuthError, 401, "unauthorized"),
     (QuotaError, 429, "too_many"),
+    (TooLargeError, 413, "too_large"),
     (InvalidRequestError, 400, "invalid_request"),
     (SessionError, 409, "conflict"),
     (StoreError, 409, "conflict"),

@@ -6,7 +6,7 @@ import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
@@ -144,6 +144,27 @@ async def reply_input(
 ) -> dict[str, str]:
     await manager(request).send_input(caller, execution_id, body.value)
     return {"status": "sent"}
+
+
+@router.put(
+    "/v1/sessions/{session_id}/files/{path:path}", status_code=201, responses=ERRORS, tags=["files"]
+)
+async def upload_file(
+    session_id: str, path: str, request: Request, caller: Caller
+) -> dict[str, object]:
+    """Stream the raw body into ``/workspace/<path>`` (size-capped; no ``..``, no symlinks)."""
+    size = await manager(request).upload(
+        caller, session_id, path, request.stream(), client_address(request)
+    )
+    return {"path": path, "size": size}
+
+
+@router.get("/v1/sessions/{session_id}/files/{path:path}", responses=ERRORS, tags=["files"])
+async def download_file(
+    session_id: str, path: str, request: Request, caller: Caller
+) -> StreamingResponse:
+    chunks = await manager(request).download(caller, session_id, path, client_address(request))
+    return StreamingResponse(chunks, media_type="application/octet-stream")
 
 
 @router.get("/v1/admin/sessions", responses=ERRORS, tags=["admin"])

@@ -13,6 +13,7 @@ restarts it on SIGHUP, and exits with the kernel's status when the kernel dies.
 from __future__ import annotations
 
 import abc
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -106,6 +107,16 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     def reset_peak(self) -> None: ...
+
+    @abc.abstractmethod
+    async def write_file(self, path: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        """Write ``chunks`` to ``/workspace/<path>`` (parents created); returns the size.
+        Refuses ``..``, absolute paths and symlinks with ``InvalidRequestError``."""
+
+    @abc.abstractmethod
+    def read_file(self, path: str, max_bytes: int) -> AsyncIterator[bytes]:
+        """Stream ``/workspace/<path>``; ``NotFoundError`` if missing, ``TooLargeError``
+        over ``max_bytes``; never follows a symlink."""
 
     async def log_tail(self, lines: int = 30) -> str:
         """The last lines the sandbox wrote outside the kernel protocol (diagnostics)."""

@@ -13,8 +13,9 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,7 +25,7 @@ import docker.errors
 import requests.exceptions
 
 from kernelhub.errors import BackendUnavailableError, ImageError, SandboxError
-from kernelhub.image import IPC_DIR, SANDBOX_GID, SANDBOX_UID
+from kernelhub.image import IPC_DIR, KERNEL_PYTHON, SANDBOX_GID, SANDBOX_UID, WORKSPACE
 from kernelhub.image.build import check_image
 from kernelhub.kernel.connection import SOCKET_PREFIX, SessionDir
 from kernelhub.models import ResourceUsage
@@ -39,6 +40,7 @@ from kernelhub.sandbox.base import (
 from kernelhub.sandbox.cgroup import CgroupFiles
 from kernelhub.sandbox.docker_config import container_config
 from kernelhub.sandbox.exit import describe_exit
+from kernelhub.sandbox.files import FILES_MODULE, demux, file_error, pump_upload
 from kernelhub.sandbox.seccomp import profile_json
 
 log = logging.getLogger(__name__)
@@ -319,6 +321,84 @@ class DockerSandbox(Sandbox):
         if not self._exit.done():
             self._exit.set_result(ExitInfo(reason="sandbox removed"))
         self.session_dir.remove()
+
+    async def _exec_files(self, verb: str, path: str, max_bytes: int) -> tuple[str, Any]:
+        """Start the files program in the container; returns the exec id and an asyncio
+        stream pair on the attached socket."""
+        api = self.backend.client.api
+        exec_id = (await self.backend.call(
+            api.exec_create, self.container.id, [KERNEL_PYTHON, *FILES_MODULE, verb, path, str(max_bytes)],
+            stdin=verb == "put", stdout=True, stderr=True, user=f"{SANDBOX_UID}:{SANDBOX_GID}",
+            workdir=WORKSPACE,
+        ))["Id"]  # fmt: skip
+        raw = await self.backend.call(api.exec_start, exec_id, socket=True)
+        # Take our own descriptor for asyncio and close the SDK's wrappers right away, so
+        # exactly one owner closes each socket object.
+        sock = socket.socket(fileno=os.dup(raw._sock.fileno()))
+        raw._sock.close()
+        raw.close()
+        sock.setblocking(False)
+        streams = await asyncio.open_unix_connection(sock=sock)
+        return exec_id, streams
+
+    async def _exec_result(
+        self, exec_id: str, reader: asyncio.StreamReader, sink: Any = None
+    ) -> None:
+        """Read the multiplexed output to the end; stdout to ``sink``; raise on failure."""
+        buffer = bytearray()
+        stderr = bytearray()
+        while data := await reader.read(65536):
+            buffer += data
+            for stream, payload in demux(buffer):
+                if stream == 1 and sink is not None:
+                    await sink(payload)
+                elif stream == 2:
+                    stderr += payload
+                    del stderr[:-4096]
+        info = await self.backend.call(self.backend.client.api.exec_inspect, exec_id)
+        error = file_error(info.get("ExitCode"), stderr.decode("utf-8", "replace"))
+        if error is not None:
+            raise error
+
+    async def write_file(self, path: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        exec_id, (reader, writer) = await self._exec_files("put", path, max_bytes)
+
+        async def write(chunk: bytes) -> None:
+            writer.write(chunk)
+            await writer.drain()
+
+        try:
+            total = await pump_upload(chunks, write, max_bytes)
+            if writer.can_write_eof():
+                writer.write_eof()
+            await self._exec_result(exec_id, reader)
+        finally:
+            writer.close()
+        return total
+
+    async def read_file(self, path: str, max_bytes: int) -> AsyncIterator[bytes]:
+        exec_id, (reader, writer) = await self._exec_files("get", path, max_bytes)
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=16)
+
+        async def sink(payload: bytes) -> None:
+            await queue.put(payload)
+
+        async def run() -> None:
+            try:
+                await self._exec_result(exec_id, reader, sink)
+            finally:
+                await queue.put(None)
+
+        task = asyncio.create_task(run())
+        try:
+            while (chunk := await queue.get()) is not None:
+                yield chunk
+            await task  # raises the program's refusal, if any
+        finally:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            writer.close()
 
     def usage(self) -> ResourceUsage:
         return self._cgroup.read() if self._cgroup else ResourceUsage()

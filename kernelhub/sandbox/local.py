@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 import warnings
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psutil
@@ -31,6 +32,7 @@ from kernelhub.kernel.connection import SOCKET_PREFIX, SessionDir
 from kernelhub.models import ResourceUsage
 from kernelhub.sandbox.base import ExitInfo, Sandbox, SandboxBackend, SandboxSpec
 from kernelhub.sandbox.exit import describe_exit
+from kernelhub.sandbox.files import FILES_MODULE, file_error, pump_upload
 from kernelhub.sandbox.seccomp import compile_bpf
 
 # System paths the kernel may read. Home directories, /root, /srv, /var and kernelhub's own
@@ -303,6 +305,54 @@ class LocalSandbox(Sandbox):
                 await asyncio.wait_for(task, 1.0)
         self.backend._live.discard(self.spec.session_id)
         self.session_dir.remove()
+
+    async def _files(self, verb: str, path: str, max_bytes: int) -> asyncio.subprocess.Process:
+        # The workspace is a host directory here; the same program that guards it inside a
+        # container walks it beneath the workspace root, refusing symlinks.
+        return await asyncio.create_subprocess_exec(
+            sys.executable, *FILES_MODULE, verb, path, str(max_bytes),
+            env={"PYTHONPATH": str(kernel_image_dir()), "KERNELHUB_WORKSPACE": str(self._workspace)},
+            stdin=asyncio.subprocess.PIPE if verb == "put" else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE if verb == "get" else asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+
+    async def write_file(self, path: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        proc = await self._files("put", path, max_bytes)
+        assert proc.stdin is not None and proc.stderr is not None
+
+        async def write(chunk: bytes) -> None:
+            assert proc.stdin is not None
+            proc.stdin.write(chunk)
+            await proc.stdin.drain()
+
+        try:
+            total = await pump_upload(chunks, write, max_bytes)
+        except BaseException:
+            proc.kill()
+            await proc.wait()
+            raise
+        proc.stdin.close()
+        stderr = await proc.stderr.read()
+        error = file_error(await proc.wait(), stderr.decode("utf-8", "replace"))
+        if error is not None:
+            raise error
+        return total
+
+    async def read_file(self, path: str, max_bytes: int) -> AsyncIterator[bytes]:
+        proc = await self._files("get", path, max_bytes)
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            while chunk := await proc.stdout.read(65536):
+                yield chunk
+            stderr = await proc.stderr.read()
+            error = file_error(await proc.wait(), stderr.decode("utf-8", "replace"))
+            if error is not None:
+                raise error
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
     def usage(self) -> ResourceUsage:
         sup = self._find_supervisor()

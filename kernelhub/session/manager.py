@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -556,6 +556,56 @@ class SessionManager:
                 detail={"value": value},
             )
         )
+
+    # -- files -------------------------------------------------------------------------
+
+    async def upload(
+        self,
+        principal: Principal,
+        session_id: str,
+        path: str,
+        chunks: AsyncIterator[bytes],
+        client: str | None = None,
+    ) -> int:
+        live = self._get(principal, session_id)
+        kernel = self._kernel(live)
+        size = await kernel.sandbox.write_file(path, chunks, self.settings.gateway.max_file_bytes)
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="file.upload",
+                session_id=session_id,
+                client=client,
+                detail={"path": path, "bytes": size},
+            )
+        )
+        return size
+
+    async def download(
+        self, principal: Principal, session_id: str, path: str, client: str | None = None
+    ) -> AsyncIterator[bytes]:
+        """The file's chunks; errors (missing, symlink, too large) raise before the first."""
+        live = self._get(principal, session_id)
+        kernel = self._kernel(live)
+        chunks = kernel.sandbox.read_file(path, self.settings.gateway.max_file_bytes)
+        first = await anext(chunks, b"")
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="file.download",
+                session_id=session_id,
+                client=client,
+                detail={"path": path},
+            )
+        )
+
+        async def stream() -> AsyncIterator[bytes]:
+            if first:
+                yield first
+            async for chunk in chunks:
+                yield chunk
+
+        return stream()
 
     def live(self, principal: Principal, session_id: str) -> LiveSession:
         return self._get(principal, session_id)

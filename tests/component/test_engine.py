@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import psutil
+import pytest
 
+from kernelhub.errors import InvalidRequestError, NotFoundError, TooLargeError
 from kernelhub.models import (
     DisplayEvent,
     EndedBy,
@@ -241,3 +244,39 @@ async def test_display_update_and_clear_output_arrive(open_session: SessionFacto
     assert [d.update for d in displays] == [False, True]
     assert displays[0].display_id and displays[0].display_id == displays[1].display_id
     assert any(e.type == "clear_output" for e in result.events)
+
+
+async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+async def test_files_round_trip_and_refuse_traversal_and_planted_symlinks(
+    open_session: SessionFactory,
+) -> None:
+    s = await open_session()
+    box = s.sandbox
+    size = await box.write_file("data/in.csv", _chunks(b"a,b\n", b"1,2\n"), 1024)
+    assert size == 8
+    seen = await s.execute("import pandas as pd\nprint(pd.read_csv('data/in.csv').a.sum())")
+    assert seen.stdout == "1\n"
+    await s.execute("open('out.bin', 'wb').write(bytes(range(256)) * 100)")
+    got = b"".join([c async for c in box.read_file("out.bin", 1 << 20)])
+    assert got == bytes(range(256)) * 100
+    for bad in ("../etc/passwd", "/etc/passwd", "a/../../x", ""):
+        with pytest.raises(InvalidRequestError):
+            await box.write_file(bad, _chunks(b"x"), 10)
+    # The sandbox plants symlinks pointing outside the workspace; neither direction follows.
+    await s.execute("import os\nos.symlink('/etc/passwd', 'link')\nos.symlink('/etc', 'dirlink')")
+    with pytest.raises(InvalidRequestError):
+        [c async for c in box.read_file("link", 1 << 20)]
+    with pytest.raises(InvalidRequestError):
+        [c async for c in box.read_file("dirlink/passwd", 1 << 20)]
+    with pytest.raises(InvalidRequestError):
+        await box.write_file("link", _chunks(b"owned"), 10)
+    with pytest.raises(NotFoundError):
+        [c async for c in box.read_file("missing.txt", 1 << 20)]
+    with pytest.raises(TooLargeError):
+        await box.write_file("big.bin", _chunks(b"x" * 600, b"x" * 600), 1000)
+    with pytest.raises(TooLargeError):
+        [c async for c in box.read_file("out.bin", 100)]

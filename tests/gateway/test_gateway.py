@@ -387,3 +387,30 @@ async def test_quota_answers_429_with_retry_after(tmp_path: Any) -> None:
             assert "delete one" in r.json()["message"]
     finally:
         gw.stop()
+
+
+async def test_files_upload_download_over_http(gateway: Gateway, http: httpx.AsyncClient) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    h = auth(token)
+    payload = bytes(range(256)) * 4096  # 1 MiB
+
+    async def body() -> Any:
+        for i in range(0, len(payload), 65536):
+            yield payload[i : i + 65536]
+
+    r = await http.put(f"/v1/sessions/{sid}/files/in/data.bin", content=body(), headers=h)
+    assert r.status_code == 201 and r.json()["size"] == len(payload), r.text
+    check = await run(http, token, sid, "print(len(open('in/data.bin','rb').read()))")
+    assert stdout(check) == f"{len(payload)}\n"
+    r = await http.get(f"/v1/sessions/{sid}/files/in/data.bin", headers=h)
+    assert r.status_code == 200 and r.content == payload
+    await run(http, token, sid, "import os\nos.symlink('/etc/passwd', 'evil')")
+    assert (await http.get(f"/v1/sessions/{sid}/files/evil", headers=h)).status_code == 400
+    assert (await http.get(f"/v1/sessions/{sid}/files/nope.txt", headers=h)).status_code == 404
+    r = await http.put(f"/v1/sessions/{sid}/files/..%2Fescape", content=b"x", headers=h)
+    assert r.status_code in (400, 404), r.text
+    bob = gateway.token("bob")
+    assert (
+        await http.get(f"/v1/sessions/{sid}/files/in/data.bin", headers=auth(bob))
+    ).status_code == 404

@@ -1,0 +1,95 @@
+"""The kernelhub SDK: drive sandboxed, stateful IPython kernels on a kernelhub gateway.
+
+Needs only the base install (pydantic, httpx, websockets)::
+
+    from kernelhub.client import Hub
+
+    with Hub("http://127.0.0.1:8000", token) as hub, hub.create_session() as session:
+        session.run("x = 1")
+        execution = session.run("print(x + 1)", on_stdout=print)
+        assert execution.stdout == "2\\n" and execution.error is None
+
+:class:`AsyncHub` / :class:`AsyncSession` are the async originals; :class:`Hub` /
+:class:`Session` their blocking twins. A failing cell is data (``execution.error``); the
+exceptions below are for kernelhub refusing or failing. The protocol is in
+``docs/protocol.md``.
+"""
+
+from kernelhub.client._async import AsyncHub, AsyncSession, FileInfo
+from kernelhub.client._sync import Hub, Session, SyncIterator
+from kernelhub.client.errors import (
+    ApiError,
+    AuthError,
+    ClientError,
+    ConflictError,
+    GatewayUnreachableError,
+    InvalidRequestError,
+    NotFoundError,
+    ProtocolError,
+    RateLimitedError,
+    ServerError,
+    SessionEndedError,
+    StreamLostError,
+)
+from kernelhub.errors import KernelhubError
+from kernelhub.models import (
+    CellError,
+    ClearOutputEvent,
+    DisplayEvent,
+    EndedBy,
+    ErrorEvent,
+    Event,
+    Execution,
+    ExecutionRecord,
+    ExecutionStatus,
+    FinalEvent,
+    InputRequestEvent,
+    NoticeEvent,
+    ResultEvent,
+    StatusEvent,
+    StreamEvent,
+    TruncatedEvent,
+)
+from kernelhub.wire import ExecutionInfo, LimitsIn, SessionInfo, SessionState
+
+__all__ = [
+    "ApiError",
+    "AsyncHub",
+    "AsyncSession",
+    "AuthError",
+    "CellError",
+    "ClearOutputEvent",
+    "ClientError",
+    "ConflictError",
+    "DisplayEvent",
+    "EndedBy",
+    "ErrorEvent",
+    "Event",
+    "Execution",
+    "ExecutionInfo",
+    "ExecutionRecord",
+    "ExecutionStatus",
+    "FileInfo",
+    "FinalEvent",
+    "GatewayUnreachableError",
+    "Hub",
+    "InputRequestEvent",
+    "InvalidRequestError",
+    "KernelhubError",
+    "LimitsIn",
+    "NotFoundError",
+    "NoticeEvent",
+    "ProtocolError",
+    "RateLimitedError",
+    "ResultEvent",
+    "ServerError",
+    "Session",
+    "SessionEndedError",
+    "SessionInfo",
+    "SessionState",
+    "StatusEvent",
+    "StreamEvent",
+    "StreamLostError",
+    "SyncIterator",
+    "TruncatedEvent",
+]
