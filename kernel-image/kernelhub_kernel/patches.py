@@ -447,13 +447,24 @@ def never_drop_output(app_class: Any) -> None:
     subscriber, so a burst of output could vanish without a trace. With no high-water mark
     the backlog waits in this process instead, where the sandbox's memory limit bounds it,
     and the host's output cap turns anything excessive into an explicit truncation.
-    The option applies to connections made after it is set; the host connects only once
-    it has seen the socket files, well after ``init_iopub`` returns.
+
+    The option must be set before ``bind`` and before the IOPub thread owns the socket
+    (zmq sockets are not thread-safe), so this is ipykernel 7.4's ``init_iopub`` with that
+    one line added.
     """
-    original = app_class.init_iopub
+    import zmq
+    from ipykernel.iostream import IOPubThread
 
     def init_iopub(self: Any, context: Any) -> None:
-        original(self, context)
-        self.iopub_thread.socket.sndhwm = 0
+        self.iopub_socket = context.socket(zmq.XPUB)
+        self.iopub_socket.linger = 1000
+        self.iopub_socket.sndhwm = 0
+        self._apply_curve_server_options(self.iopub_socket)
+        self.iopub_port = self._bind_socket(self.iopub_socket, self.iopub_port)
+        self.log.debug("iopub PUB Channel on port: %i", self.iopub_port)
+        self.configure_tornado_logger()
+        self.iopub_thread = IOPubThread(self.iopub_socket, pipe=True, session=self.session)
+        self.iopub_thread.start()
+        self.iopub_socket = self.iopub_thread.background_socket
 
     app_class.init_iopub = init_iopub

@@ -11,12 +11,20 @@ No background tasks: every socket and request belongs to the call that opened it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import random
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+)
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from types import TracebackType
@@ -36,6 +44,7 @@ from kernelhub.client.errors import (
     ApiError,
     ClientError,
     GatewayUnreachableError,
+    NotFoundError,
     ProtocolError,
     RateLimitedError,
     SessionEndedError,
@@ -189,6 +198,16 @@ def _parse(model: type[M], response: httpx.Response) -> M:
         ) from exc
 
 
+def _build(model: type[M], **fields: Any) -> M:
+    """A request body, checked before sending: a bad argument is the caller's to fix."""
+    try:
+        return model(**fields)
+    except pydantic.ValidationError as exc:
+        problems = exc.errors(include_url=False, include_input=False)
+        where = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in problems)
+        raise api_error(None, "invalid_request", f"{model.__name__}: {where}", problems) from exc
+
+
 def _to_execution(info: ExecutionInfo) -> Execution:
     if info.record is None or info.events is None:
         raise ProtocolError(
@@ -264,14 +283,7 @@ class AsyncHub:
         metadata: dict[str, str | int | float | bool | None] | None = None,
     ) -> AsyncSession:
         """Start a new kernel. ``limits`` are capped by the operator's maxima."""
-        try:
-            body = SessionCreate(
-                limits=LimitsIn.model_validate(limits or {}), metadata=metadata or {}
-            )
-        except pydantic.ValidationError as exc:
-            raise api_error(
-                None, "invalid_request", f"bad session request: {exc.errors()}", exc.errors()
-            ) from exc
+        body = _build(SessionCreate, limits=limits or {}, metadata=metadata or {})
         response = await self._send(
             "POST", "/v1/sessions", json=body.model_dump(mode="json", exclude_none=True)
         )
@@ -403,7 +415,9 @@ class AsyncSession:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.delete()
+        """Delete the session; one that is already gone is fine."""
+        with contextlib.suppress(NotFoundError, SessionEndedError):
+            await self.delete()
 
     @property
     def _path(self) -> str:
@@ -451,7 +465,7 @@ class AsyncSession:
         if any(cb is not None for cb in (on_stdout, on_stderr, on_event, on_input)):
             callbacks = _Callbacks(on_stdout, on_stderr, on_event, on_input)
             return await self._run_streamed(code, timeout, key, user_key, callbacks)
-        body = ExecutionCreate(code=code, timeout=timeout, wait=True, idempotency_key=key)
+        body = _build(ExecutionCreate, code=code, timeout=timeout, wait=True, idempotency_key=key)
         response = await self.hub._send(
             "POST",
             f"{self._path}/executions",
@@ -469,8 +483,12 @@ class AsyncSession:
         self, code: str, *, timeout: float | None = None, idempotency_key: str | None = None
     ) -> ExecutionInfo:
         """Queue ``code`` and return at once (status queued or running); see :meth:`wait`."""
-        body = ExecutionCreate(
-            code=code, timeout=timeout, wait=False, idempotency_key=idempotency_key or _new_id()
+        body = _build(
+            ExecutionCreate,
+            code=code,
+            timeout=timeout,
+            wait=False,
+            idempotency_key=idempotency_key or _new_id(),
         )
         response = await self.hub._send(
             "POST",
@@ -514,7 +532,7 @@ class AsyncSession:
             "POST", f"/v1/executions/{quote(execution_id, safe='')}/input", json={"value": value}
         )
 
-    async def events(self, since: int = 0) -> AsyncIterator[Event]:
+    async def events(self, since: int = 0) -> AsyncGenerator[Event, None]:
         """Every event of every execution in this session with ``seq > since``, then live
         ones, each exactly once and in order, across reconnects. Ends when the session
         does. Close it when done: ``async with contextlib.aclosing(session.events()) as it``.
@@ -539,18 +557,18 @@ class AsyncSession:
         self, code: str, timeout: float | None, key: str, user_key: bool, callbacks: _Callbacks
     ) -> Execution:
         request_id = _new_id()
+        execute = _build(
+            ExecuteFrame,
+            type="execute",
+            code=code,
+            timeout=timeout,
+            idempotency_key=key,
+            request_id=request_id,
+        )
         async with _EventStream(self.hub, self.id, since=self._last_seq) as stream:
             await stream.open()
             floor = stream.first_hello_seq  # every event up to here predates this request
-            await stream.send(
-                ExecuteFrame(
-                    type="execute",
-                    code=code,
-                    timeout=timeout,
-                    idempotency_key=key,
-                    request_id=request_id,
-                )
-            )
+            await stream.send(execute)
             execution_id: str | None = None
             early: list[Event] = []  # events that arrived before we knew our execution's id
             collected: list[Event] = []
@@ -586,6 +604,8 @@ class AsyncSession:
                     try:
                         await callbacks.dispatch(event, stream, execution_id)
                     except Exception as exc:
+                        if isinstance(event, FinalEvent):
+                            raise
                         exc.add_note(
                             f"execution {execution_id} keeps running; "
                             f"session.interrupt({execution_id!r}) stops it"
@@ -681,14 +701,14 @@ class _Callbacks:
                 await _call(callback, event.text)
         elif isinstance(event, InputRequestEvent) and self.on_input is not None and stream:
             value = await _call(self.on_input, event.prompt)
-            await stream.send(
-                InputReplyFrame(
-                    type="input_reply",
-                    execution_id=execution_id,
-                    value=str(value),
-                    request_id=_new_id(),
-                )
+            reply = _build(
+                InputReplyFrame,
+                type="input_reply",
+                execution_id=execution_id,
+                value=value,
+                request_id=_new_id(),
             )
+            await stream.send(reply)
 
 
 # -- the event stream ------------------------------------------------------------------

@@ -295,7 +295,7 @@ class Session(_Twin[AsyncSession]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.delete()
+        self._portal.call(self._async.__aexit__, exc_type, exc, tb)
 
 
 class Hub(_Twin[AsyncHub]):
