@@ -33,6 +33,12 @@ class Limits(BaseModel):
         300.0, gt=0, description="seconds a cell may run; None means no limit"
     )
     output_bytes: int = Field(10 * MiB, ge=1024, description="output kept per cell")
+    input_timeout: float | None = Field(
+        600.0,
+        gt=0,
+        description="seconds an input()/confirm() waits for a human; then input() raises "
+        "EOFError and confirm() returns False. None waits forever",
+    )
 
 
 class DockerSettings(BaseModel):

@@ -113,6 +113,15 @@ class InputRequestEvent(_Event):
     password: bool = False
 
 
+class InputReplyEvent(_Event):
+    """The answer an input request got, and from whom (a principal, or the deadline)."""
+
+    type: Literal["input_reply"] = "input_reply"
+    value: str
+    answered_by: str
+    password: bool = False
+
+
 class StatusEvent(_Event):
     type: Literal["status"] = "status"
     status: ExecutionStatus
@@ -153,7 +162,8 @@ class ExecutionRecord(BaseModel):
     queued_at: datetime
     started_at: datetime | None = None
     finished_at: datetime
-    duration: float = Field(0.0, description="seconds running, queue wait excluded")
+    duration: float = Field(0.0, description="seconds running; queue wait and pauses excluded")
+    paused_seconds: float = Field(0.0, description="seconds the session was paused mid-cell")
     cpu_seconds: float | None = None
     peak_memory_bytes: int | None = None
     output_bytes: int = 0
@@ -172,6 +182,7 @@ Event = Annotated[
     | ErrorEvent
     | ClearOutputEvent
     | InputRequestEvent
+    | InputReplyEvent
     | StatusEvent
     | TruncatedEvent
     | NoticeEvent

@@ -365,7 +365,11 @@ def confirm(question: str) -> bool:
     ipykernel raises StdinNotImplementedError, and the code does not go ahead.
     """
     # Looked up at call time: ipykernel replaces builtins.input for each cell.
-    answer = builtins.input(f"{question} [y/N] ")
+    try:
+        answer = builtins.input(f"{question} [y/N] ")
+    except EOFError:
+        # The host answers EOF when nobody replied before the deadline: the safe answer.
+        return False
     return answer.strip().lower() in {"y", "yes"}
 
 

@@ -30,6 +30,7 @@ from kernelhub.client.errors import (
     ServerError,
     SessionEndedError,
     StreamLostError,
+    TooLargeError,
 )
 from kernelhub.errors import KernelhubError
 from kernelhub.models import (
@@ -43,6 +44,7 @@ from kernelhub.models import (
     ExecutionRecord,
     ExecutionStatus,
     FinalEvent,
+    InputReplyEvent,
     InputRequestEvent,
     NoticeEvent,
     ResultEvent,
@@ -73,6 +75,7 @@ __all__ = [
     "FinalEvent",
     "GatewayUnreachableError",
     "Hub",
+    "InputReplyEvent",
     "InputRequestEvent",
     "InvalidRequestError",
     "KernelhubError",
@@ -91,5 +94,6 @@ __all__ = [
     "StreamEvent",
     "StreamLostError",
     "SyncIterator",
+    "TooLargeError",
     "TruncatedEvent",
 ]

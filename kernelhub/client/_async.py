@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import logging
 import random
 import time
 import uuid
@@ -40,7 +41,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 
 from kernelhub import __version__
 from kernelhub.client.errors import (
-    CLOSE_CODE_STATUS,
+    CLOSE_CODES,
     ApiError,
     ClientError,
     GatewayUnreachableError,
@@ -89,6 +90,8 @@ EventCallback = Callable[[Event], object]
 """Called with every event of the execution, in order; may be async."""
 InputCallback = Callable[[str], "str | Awaitable[str]"]
 """Called with the prompt when the cell calls ``input()``; returns the line to send."""
+
+log = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 64 * 1024
 _MAX_FRAME_BYTES = 64 * 2**20  # one event; images in display data can be large
@@ -173,11 +176,9 @@ def _close_error(exc: ConnectionClosed, session_id: str) -> ClientError | None:
     close = exc.rcvd or exc.sent
     code = close.code if close is not None else 1006
     reason = close.reason if close is not None else ""
-    status = CLOSE_CODE_STATUS.get(code)
-    if status is not None:
-        kind = {401: "unauthorized", 404: "not_found", 410: "session_ended"}[status]
-        what = reason or f"session {session_id}: closed with {code}"
-        return api_error(status, kind, what)
+    if code in CLOSE_CODES:
+        status, kind = CLOSE_CODES[code]
+        return api_error(status, kind, f"session {session_id}: {reason or f'closed with {code}'}")
     if code in (1002, 1003, 1007, 1009, 1010):
         return ProtocolError(
             f"the event stream of session {session_id} closed with {code} ({reason or 'no reason'}): "
@@ -250,7 +251,6 @@ class AsyncHub:
         self.timeout = timeout
         self.max_retries = max_retries
         self.max_reconnects = max_reconnects
-        self._token = token
         self._headers = {
             "Authorization": f"Bearer {token}",
             "User-Agent": f"kernelhub-python/{__version__}",
@@ -534,8 +534,9 @@ class AsyncSession:
 
     async def events(self, since: int = 0) -> AsyncGenerator[Event, None]:
         """Every event of every execution in this session with ``seq > since``, then live
-        ones, each exactly once and in order, across reconnects. Ends when the session
-        does. Close it when done: ``async with contextlib.aclosing(session.events()) as it``.
+        ones, each exactly once and in order, across reconnects. Ends when the session is
+        deleted or ends. Close it when done:
+        ``async with contextlib.aclosing(session.events()) as it: async for event in it``.
         """
         async with _EventStream(self.hub, self.id, since) as stream:
             while True:
@@ -543,6 +544,10 @@ class AsyncSession:
                     frame = await stream.receive()
                 except SessionEndedError:
                     return
+                except NotFoundError:
+                    if stream.ever_connected:
+                        return  # it was there, and is gone: deleted
+                    raise
                 if isinstance(frame, EventFrame):
                     self._saw(frame.event.seq)
                     yield frame.event
@@ -594,8 +599,13 @@ class AsyncSession:
                             return execution
                     batch = [e for e in early if e.execution_id == execution_id]
                     early.clear()
-                elif isinstance(frame, ErrorFrame) and frame.request_id in stream.sent_ids:
+                elif isinstance(frame, ErrorFrame) and frame.request_id == request_id:
                     raise api_error(None, frame.error, frame.message)
+                elif isinstance(frame, ErrorFrame) and frame.request_id in callbacks.reply_ids:
+                    # Too late (the gateway's input deadline answered first) or refused: the
+                    # execution's own events tell what happened; watching goes on.
+                    log.warning("input reply refused: %s: %s", frame.error, frame.message)
+                    continue
                 else:
                     continue
                 for event in batch:
@@ -691,6 +701,7 @@ class _Callbacks:
         self.on_stderr = on_stderr
         self.on_event = on_event
         self.on_input = on_input
+        self.reply_ids: set[str] = set()
 
     async def dispatch(self, event: Event, stream: _EventStream | None, execution_id: str) -> None:
         if self.on_event is not None:
@@ -708,6 +719,8 @@ class _Callbacks:
                 value=value,
                 request_id=_new_id(),
             )
+            assert reply.request_id is not None
+            self.reply_ids.add(reply.request_id)
             await stream.send(reply)
 
 
@@ -734,9 +747,8 @@ class _EventStream:
         self.session_id = session_id
         self.last_seq = since
         self.first_hello_seq = since
-        self.sent_ids: set[str] = set()
         self._ws: ClientConnection | None = None
-        self._hello_seen = False
+        self.ever_connected = False
         self._unanswered: dict[str, ExecuteFrame] = {}
         self._outbox: list[_ClientFrame] = []
         self._failures = 0
@@ -764,10 +776,8 @@ class _EventStream:
             await self._reconnect()
 
     async def send(self, frame: _ClientFrame) -> None:
-        if frame.request_id is not None:
-            self.sent_ids.add(frame.request_id)
-            if isinstance(frame, ExecuteFrame):
-                self._unanswered[frame.request_id] = frame
+        if isinstance(frame, ExecuteFrame) and frame.request_id is not None:
+            self._unanswered[frame.request_id] = frame
         if self._ws is not None:
             try:
                 await self._ws.send(frame.model_dump_json(exclude_none=True))
@@ -894,8 +904,8 @@ class _EventStream:
             await ws.close()
             raise ProtocolError(f"session {self.session_id}: {problem}")
         assert isinstance(hello, HelloFrame)
-        if not self._hello_seen:
-            self._hello_seen = True
+        if not self.ever_connected:
+            self.ever_connected = True
             self.first_hello_seq = hello.last_seq
         self._ws = ws
         self._connected_at = time.monotonic()

@@ -5,26 +5,35 @@ refused a request, could not be reached, or broke the protocol.
 
     KernelhubError
     └── ClientError                 the SDK could not do what was asked
-        ├── ApiError                the gateway answered with an error (status, error, message, detail)
-        │   ├── InvalidRequestError 400 / 413 / 422: fix the request
-        │   ├── AuthError           401 / 403, WebSocket 4401 / 1008: check the token
-        │   ├── NotFoundError       404, WebSocket 4404: no such id, or not yours
+        ├── ApiError                the gateway said no: status, error (kind), message, detail
+        │   ├── InvalidRequestError 400 / 422, close 1008: fix the request
+        │   │   └── TooLargeError   413: a body or file over its limit
+        │   ├── AuthError           401 / 403, close 4401: check the token
+        │   ├── NotFoundError       404, close 4404: no such id, or not yours
         │   ├── ConflictError       409: the session or execution is in the wrong state
-        │   ├── SessionEndedError   410, WebSocket 4410: the session is gone; create a new one
-        │   ├── RateLimitedError    429: slow down; carries ``retry_after`` (seconds or None)
+        │   │   └── SessionEndedError  410, close 4410: the session is gone for good
+        │   ├── RateLimitedError    429: slow down; ``retry_after`` in seconds, or None
         │   └── ServerError         5xx: the gateway failed
         ├── GatewayUnreachableError no HTTP answer at all (refused, reset, timed out)
         ├── StreamLostError         the WebSocket kept dropping; reconnecting gave up
         └── ProtocolError           the gateway sent something this SDK does not understand
 
-Every HTTP status, WebSocket close code and socket ``error`` frame is turned into one of
-these by :func:`api_error` — the one table.
+Where the server has the same notion, the client class also derives from it, so
+``except kernelhub.errors.NotFoundError`` catches both: :class:`InvalidRequestError`,
+:class:`TooLargeError`, :class:`AuthError`, :class:`NotFoundError`,
+:class:`ConflictError` (``SessionError``) and :class:`SessionEndedError`
+(``SessionClosedError``). :class:`RateLimitedError` does not derive from ``QuotaError``,
+whose ``retry_after`` is always known.
+
+:func:`api_error` is the one table from an HTTP status, a WebSocket close code or a socket
+``error`` frame's kind to these classes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kernelhub import errors as core
 from kernelhub.errors import KernelhubError
 
 
@@ -46,25 +55,33 @@ class ApiError(ClientError):
         self.detail = detail
 
 
-class InvalidRequestError(ApiError):
+class InvalidRequestError(ApiError, core.InvalidRequestError):
     hint = "fix the request (see `detail` for the offending field); retrying it unchanged will fail again"
 
 
-class AuthError(ApiError):
-    hint = "check the token given to Hub(token=...): it is missing, wrong, expired, or lacks this permission"
+class TooLargeError(InvalidRequestError, core.TooLargeError):
+    hint = "send less: the message names the limit and the setting that raises it"
 
 
-class NotFoundError(ApiError):
+class AuthError(ApiError, core.AuthError):
+    hint = "check the token given to Hub(token=...): it is missing, wrong, revoked, or lacks this permission"
+
+    def __init__(self, status: int | None, error: str, message: str, detail: Any = None) -> None:
+        super().__init__(status, error, message, detail)
+        self.admin_required = status == 403
+
+
+class NotFoundError(ApiError, core.NotFoundError):
     hint = (
         "the id is wrong, was deleted, or belongs to another token; hub.list_sessions() shows yours"
     )
 
 
-class ConflictError(ApiError):
+class ConflictError(ApiError, core.SessionError):
     hint = "the session or execution is not in a state that allows this; check session.info() or get_execution()"
 
 
-class SessionEndedError(ApiError):
+class SessionEndedError(ConflictError, core.SessionClosedError):
     hint = (
         "the session has ended and cannot be used again; create a new one with hub.create_session()"
     )
@@ -117,34 +134,36 @@ _BY_STATUS: dict[int, type[ApiError]] = {
     404: NotFoundError,
     409: ConflictError,
     410: SessionEndedError,
-    413: InvalidRequestError,
+    413: TooLargeError,
     422: InvalidRequestError,
     429: RateLimitedError,
 }
 
-# The ``error`` kinds of ``ErrorBody`` / ``ErrorFrame``; used when there is no HTTP status
-# (an ``error`` frame on the socket).
+# The gateway's ``error`` kinds (``gateway/errors.py``), for an ``error`` frame on the
+# socket, which has no HTTP status. An unknown kind is a plain ApiError.
 _BY_KIND: dict[str, type[ApiError]] = {
     "invalid_request": InvalidRequestError,
-    "validation_error": InvalidRequestError,
-    "too_large": InvalidRequestError,
+    "invalid_frame": InvalidRequestError,
+    "too_large": TooLargeError,
     "unauthorized": AuthError,
     "forbidden": AuthError,
     "not_found": NotFoundError,
     "conflict": ConflictError,
-    "busy": ConflictError,
     "session_ended": SessionEndedError,
-    "rate_limited": RateLimitedError,
+    "too_many": RateLimitedError,
+    "image_unavailable": ServerError,
+    "backend_unavailable": ServerError,
+    "sandbox_failed": ServerError,
+    "misconfigured": ServerError,
     "internal": ServerError,
-    "unavailable": ServerError,
 }
 
-# WebSocket close codes that end a stream for good, as the HTTP status they stand for.
-CLOSE_CODE_STATUS: dict[int, int] = {
-    1008: 401,  # policy violation: the gateway's answer to a bad or missing token
-    4401: 401,
-    4404: 404,
-    4410: 410,
+# WebSocket close codes that end a stream for good: (the HTTP status they stand for, kind).
+CLOSE_CODES: dict[int, tuple[int, str]] = {
+    1008: (400, "policy"),  # the gateway refused the request (e.g. a negative `since`)
+    4401: (401, "unauthorized"),
+    4404: (404, "not_found"),
+    4410: (410, "session_ended"),
 }
 
 

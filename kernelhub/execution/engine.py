@@ -31,6 +31,7 @@ from kernelhub.errors import (
     KernelhubError,
     SandboxStartError,
     SessionClosedError,
+    SessionError,
 )
 from kernelhub.execution.collector import OutputCollector
 from kernelhub.kernel.client import SandboxKernelClient, connect_client, disconnect_client
@@ -42,6 +43,8 @@ from kernelhub.models import (
     ExecutionRecord,
     ExecutionStatus,
     FinalEvent,
+    InputReplyEvent,
+    InputRequestEvent,
     NoticeEvent,
     StatusEvent,
     StreamEvent,
@@ -84,6 +87,9 @@ class ExecutionHandle:
         self.record: ExecutionRecord | None = None
         self.interrupt_requested = False  # by the user
         self.interrupt_sent = False  # by anyone: the user or the timeout escalation
+        self.awaiting_password = False
+        self.paused_seconds = 0.0
+        self.status_before_pause: ExecutionStatus | None = None
         self._waiters: list[asyncio.Future[None]] = []
 
     def _emit(self, event: Event) -> None:
@@ -146,6 +152,11 @@ class KernelSession:
         self._tasks: list[asyncio.Task[None]] = []
         self._exit: ExitInfo | None = None
         self._closed = False
+        self._paused = False
+        self._paused_since: float | None = None
+        self._resumed = asyncio.Event()
+        self._input_deadline: asyncio.TimerHandle | None = None
+        self._pause_waiters: list[asyncio.Future[None]] = []
         self.kernel_info: dict[str, Any] = {}
 
     # -- lifecycle --------------------------------------------------------------------
@@ -273,8 +284,10 @@ class KernelSession:
         self, code: str, *, timeout: float | None = _UNSET, execution_id: str | None = None
     ) -> ExecutionHandle:
         """Queue a cell. ``timeout`` in seconds; ``None`` means no limit; default: the
-        session's ``cell_timeout``."""
+        session's ``cell_timeout``. Refused while the session is paused."""
         self._check_open()
+        if self._paused:
+            raise SessionError("the session is paused; resume it before executing")
         handle = ExecutionHandle(
             execution_id or uuid.uuid4().hex,
             code,
@@ -311,6 +324,8 @@ class KernelSession:
         self._check_open()
         if self._active is None:
             return False
+        if self._paused:
+            raise SessionError("the session is paused; resume it before interrupting")
         self._active[1].interrupt_requested = True
         self._active[1].interrupt_sent = True
         await self.sandbox.interrupt()
@@ -326,20 +341,117 @@ class KernelSession:
         )
         return True
 
-    def send_input(self, value: str) -> None:
-        """Answer the running cell's ``input()`` request."""
+    def send_input(self, value: str, *, answered_by: str = "user") -> None:
+        """Answer the running cell's ``input()`` request (``"\x04"`` is EOF)."""
         self._check_open()
+        if self._paused:
+            raise SessionError("the session is paused; resume it before answering")
         if self._active is None or self._active[1].status != ExecutionStatus.AWAITING_INPUT:
-            raise KernelhubError("no cell is waiting for input")
+            raise SessionError("no cell is waiting for input")
         assert self._client is not None
-        self._client.input(value)
         handle = self._active[1]
+        self._cancel_input_deadline()
+        self._client.input(value)
+        password = handle.awaiting_password
+        self._emit(
+            handle,
+            InputReplyEvent(
+                execution_id=handle.id,
+                seq=self._next_seq(),
+                value="" if password else value,
+                answered_by=answered_by,
+                password=password,
+            ),
+        )
         self._emit(
             handle,
             StatusEvent(
                 execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.RUNNING
             ),
         )
+
+    # -- pause and resume ---------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def pause(self) -> None:
+        """Freeze the whole sandbox (no CPU at all); the running cell shows ``paused`` and
+        its timeout stops counting. Execute, interrupt and answers are refused until
+        :meth:`resume` (nothing is sent that would need the frozen kernel)."""
+        self._check_open()
+        if self._exit is not None:
+            raise SessionError(f"the kernel is dead ({self._exit.reason}); nothing to pause")
+        if self._paused:
+            raise SessionError("the session is already paused")
+        await self.sandbox.pause()
+        self._paused = True
+        self._paused_since = time.monotonic()
+        self._resumed.clear()
+        waiters, self._pause_waiters = self._pause_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._cancel_input_deadline()
+        if self._active is not None:
+            handle = self._active[1]
+            handle.status_before_pause = handle.status
+            self._emit(
+                handle,
+                StatusEvent(
+                    execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.PAUSED
+                ),
+            )
+
+    async def resume(self) -> None:
+        self._check_open()
+        if not self._paused:
+            raise SessionError("the session is not paused")
+        await self.sandbox.resume()
+        paused_for = time.monotonic() - (self._paused_since or time.monotonic())
+        self._paused = False
+        self._paused_since = None
+        self._resumed.set()
+        if self._active is not None:
+            handle = self._active[1]
+            handle.paused_seconds += paused_for
+            status = handle.status_before_pause or ExecutionStatus.RUNNING
+            self._emit(
+                handle, StatusEvent(execution_id=handle.id, seq=self._next_seq(), status=status)
+            )
+            if status == ExecutionStatus.AWAITING_INPUT:
+                self._start_input_deadline(handle)
+
+    # -- input deadline -----------------------------------------------------------------
+
+    def _start_input_deadline(self, handle: ExecutionHandle) -> None:
+        self._cancel_input_deadline()
+        timeout = self.limits.input_timeout
+        if timeout is not None:
+            self._input_deadline = asyncio.get_running_loop().call_later(
+                timeout, self._answer_for_the_human, handle, timeout
+            )
+
+    def _cancel_input_deadline(self) -> None:
+        if self._input_deadline is not None:
+            self._input_deadline.cancel()
+            self._input_deadline = None
+
+    def _answer_for_the_human(self, handle: ExecutionHandle, timeout: float) -> None:
+        self._input_deadline = None
+        if self._active is None or self._active[1] is not handle or self._paused:
+            return
+        self._emit(
+            handle,
+            NoticeEvent(
+                execution_id=handle.id,
+                seq=self._next_seq(),
+                message=f"no answer within {timeout:g} s; answering for the human (input() raises EOFError, confirm() returns False)",
+            ),
+        )
+        with contextlib.suppress(KernelhubError):
+            self.send_input("\x04", answered_by="deadline")
 
     def get(self, execution_id: str) -> ExecutionHandle | None:
         return self._handles.get(execution_id)
@@ -491,7 +603,9 @@ class KernelSession:
             if isinstance(event, StatusEvent):
                 continue
             self._emit(handle, event)
-            if event.type == "input_request":
+            if isinstance(event, InputRequestEvent):
+                handle.awaiting_password = event.password
+                self._start_input_deadline(handle)
                 self._emit(
                     handle,
                     StatusEvent(
@@ -595,7 +709,7 @@ class KernelSession:
         ended_by, state_lost, reason = EndedBy.REPLY, False, None
         status: ExecutionStatus | None = None
         try:
-            await asyncio.wait_for(asyncio.shield(done), handle.timeout)
+            await self._wait_running(done, handle)
         except TimeoutError:
             status = ExecutionStatus.TIMED_OUT
             reason = (
@@ -619,7 +733,8 @@ class KernelSession:
             )
         finally:
             self._active = None
-        duration = time.monotonic() - started
+        self._cancel_input_deadline()
+        duration = time.monotonic() - started - handle.paused_seconds
         after = self.sandbox.usage()
 
         if status is None:
@@ -655,8 +770,52 @@ class KernelSession:
             peak_memory_bytes=after.peak_memory_bytes,
             output_bytes=collector.output_bytes,
             dropped_bytes=collector.dropped_bytes,
+            paused_seconds=handle.paused_seconds,
         )
         self._emit(handle, FinalEvent(execution_id=handle.id, seq=self._next_seq(), record=record))
+
+    async def _wait_running(self, done: asyncio.Future[None], handle: ExecutionHandle) -> None:
+        """Wait for the cell; TimeoutError once it has *run* for its timeout. Paused time
+        does not count, and a frozen sandbox is never interrupted."""
+        started = time.monotonic()
+        while True:
+            if self._paused:
+                resumed = asyncio.ensure_future(self._resumed.wait())
+                either: set[asyncio.Future[Any]] = {done, resumed}
+                try:
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    resumed.cancel()
+                if done.done():
+                    return done.result()
+                continue
+            if handle.timeout is None:
+                remaining = None
+            else:
+                ran = time.monotonic() - started - handle.paused_seconds
+                remaining = handle.timeout - ran
+                if remaining <= 0:
+                    raise TimeoutError
+            paused = asyncio.ensure_future(self._wait_paused())
+            try:
+                finished, _ = await asyncio.wait(
+                    {done, paused}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                paused.cancel()
+            if done.done():
+                return done.result()
+            if not finished and not self._paused:
+                raise TimeoutError
+
+    async def _wait_paused(self) -> None:
+        while not self._paused:
+            await self._pause_changed()
+
+    async def _pause_changed(self) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._pause_waiters.append(fut)
+        await fut
 
     async def _escalate(
         self, done: asyncio.Future[None], handle: ExecutionHandle

@@ -200,23 +200,27 @@ def _normalize(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
     return info
 
 
-def write_gateway_context(fileobj: IO[bytes], sources: Path, wheels: Iterable[Path]) -> None:
+def write_gateway_context(
+    fileobj: IO[bytes], sources: Path, wheels: Iterable[Path], own_wheel: Path
+) -> None:
     """Write the docker build context as an uncompressed tar to ``fileobj``: ``Dockerfile``
-    and ``requirements.txt`` from ``sources`` (the ``gateway-image`` directory) and every
-    wheel, kernelhub's own included, under ``wheels/``."""
+    and ``requirements.txt`` from ``sources`` (the ``gateway-image`` directory), the locked
+    dependencies' wheels under ``wheels/`` and kernelhub's own wheel under ``dist/`` (its
+    own layer, so an edit of kernelhub does not reinstall the dependencies)."""
     with tarfile.open(fileobj=fileobj, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name in ("Dockerfile", "requirements.txt"):
             path = sources / name
             if not path.is_file():
                 raise ImageBuildError(f"the gateway image source {path} is missing")
             tar.add(path, arcname=name, filter=_normalize)
-        directory = tarfile.TarInfo("wheels")
-        directory.type = tarfile.DIRTYPE
-        directory.mode = 0o755
-        directory.mtime = _MTIME_FLOOR
-        tar.addfile(directory)
-        for wheel in wheels:
-            tar.add(wheel, arcname=f"wheels/{wheel.name}", filter=_normalize)
+        for directory, members in (("wheels", list(wheels)), ("dist", [own_wheel])):
+            info = tarfile.TarInfo(directory)
+            info.type = tarfile.DIRTYPE
+            info.mode = 0o755
+            info.mtime = _MTIME_FLOOR
+            tar.addfile(info)
+            for wheel in members:
+                tar.add(wheel, arcname=f"{directory}/{wheel.name}", filter=_normalize)
 
 
 # ---------------------------------------------------------------------------- build
@@ -272,7 +276,7 @@ def build_gateway_image(
             previous_id = _current_id(client, tag)
             step_started = time.monotonic()
             with tempfile.TemporaryFile() as context:
-                write_gateway_context(context, sources, [*wheels, own_wheel])
+                write_gateway_context(context, sources, wheels, own_wheel)
                 context.seek(0)
                 image_id = _docker_build(
                     client,

@@ -74,6 +74,8 @@ class Sandbox(abc.ABC):
     - ``kill()``: stop everything now; ``wait_exit`` resolves.
     - ``remove()``: release every resource (container, directories). Idempotent.
     - ``usage()`` / ``reset_peak()``: accounting, cheap enough to call around every cell.
+    - ``pause()`` / ``resume()``: freeze and thaw the whole sandbox.
+    - ``write_file()`` / ``read_file()``: bytes in and out of ``/workspace``.
     """
 
     session_dir: SessionDir
@@ -107,6 +109,14 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     def reset_peak(self) -> None: ...
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Freeze every process of the sandbox (no CPU, no signals handled) until
+        ``resume``. The engine sends nothing to a paused sandbox."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
 
     @abc.abstractmethod
     async def write_file(self, path: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:

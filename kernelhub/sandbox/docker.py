@@ -306,6 +306,13 @@ class DockerSandbox(Sandbox):
     async def interrupt(self) -> None:
         await self._signal("SIGINT")
 
+    async def pause(self) -> None:
+        # The cgroup freezer: every process stops at once, threads and children included.
+        await self.backend.call(self.container.pause)
+
+    async def resume(self) -> None:
+        await self.backend.call(self.container.unpause)
+
     async def restart_kernel(self) -> None:
         await self._signal("SIGHUP")
 

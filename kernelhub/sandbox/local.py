@@ -287,6 +287,27 @@ class LocalSandbox(Sandbox):
     async def interrupt(self) -> None:
         await self._signal(signal.SIGINT)
 
+    def _tree(self) -> list[psutil.Process]:
+        if self.proc is None:
+            return []
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    async def pause(self) -> None:
+        # No freezer without cgroups: SIGSTOP every process of the sandbox, children first
+        # so none can react to its parent stopping.
+        for proc in reversed(self._tree()):
+            with contextlib.suppress(psutil.Error):
+                proc.suspend()
+
+    async def resume(self) -> None:
+        for proc in self._tree():
+            with contextlib.suppress(psutil.Error):
+                proc.resume()
+
     async def restart_kernel(self) -> None:
         await self._signal(signal.SIGHUP)
 

@@ -9,13 +9,16 @@ from collections.abc import AsyncIterator
 import psutil
 import pytest
 
-from kernelhub.errors import InvalidRequestError, NotFoundError, TooLargeError
+from kernelhub.errors import InvalidRequestError, NotFoundError, SessionError, TooLargeError
 from kernelhub.models import (
     DisplayEvent,
     EndedBy,
     Event,
+    Execution,
     ExecutionStatus,
     FinalEvent,
+    InputReplyEvent,
+    InputRequestEvent,
     StatusEvent,
     StreamEvent,
     TruncatedEvent,
@@ -280,3 +283,61 @@ async def test_files_round_trip_and_refuse_traversal_and_planted_symlinks(
         await box.write_file("big.bin", _chunks(b"x" * 600, b"x" * 600), 1000)
     with pytest.raises(TooLargeError):
         [c async for c in box.read_file("out.bin", 100)]
+
+
+async def test_pause_freezes_the_cell_and_resume_continues_without_gap(
+    open_session: SessionFactory,
+) -> None:
+    s = await open_session()
+    handle = await s.submit(
+        "import time\nfor i in range(150):\n    print(i, flush=True)\n    time.sleep(0.01)",
+        timeout=5.0 * UNIT,
+    )
+    await eventually(lambda: any(isinstance(e, StreamEvent) for e in handle.events), 10)
+    await s.pause()
+    assert handle.status == ExecutionStatus.PAUSED
+    with pytest.raises(SessionError, match="paused"):
+        await s.submit("1")
+    with pytest.raises(SessionError, match="paused"):
+        await s.interrupt()
+    # Output already on its way when the sandbox froze may still arrive; then silence.
+    await asyncio.sleep(0.3 * UNIT)
+    cpu_before = s.sandbox.usage().cpu_seconds
+    printed = len(handle.events)
+    await asyncio.sleep(6.0 * UNIT)  # longer than the cell's timeout: paused time is free
+    assert len(handle.events) == printed, "a paused cell produced output"
+    if cpu_before is not None and s.sandbox.usage().cpu_seconds is not None:
+        assert s.sandbox.usage().cpu_seconds == pytest.approx(cpu_before, abs=0.05)
+    await s.resume()
+    result = await handle.wait()
+    assert result.status == ExecutionStatus.COMPLETED, result.record
+    assert result.stdout == "".join(f"{i}\n" for i in range(150))
+    assert result.record.paused_seconds >= 6.0 * UNIT
+    statuses = [e.status for e in result.events if isinstance(e, StatusEvent)]
+    assert ExecutionStatus.PAUSED in statuses and statuses[-1] == ExecutionStatus.RUNNING
+
+
+async def test_confirm_yes_no_and_the_deadline(open_session: SessionFactory) -> None:
+    s = await open_session(input_timeout=1.0 * UNIT)
+
+    async def ask(answer: str | None) -> tuple[Execution, list[Event]]:
+        handle = await s.submit("print(confirm('Delete file A?'))")
+        await eventually(lambda: handle.status == ExecutionStatus.AWAITING_INPUT, 10)
+        if answer is not None:
+            s.send_input(answer, answered_by="alice")
+        result = await handle.wait()
+        return result, result.events
+
+    yes, _ = await ask("yes")
+    assert yes.stdout.strip().endswith("True")
+    no, _ = await ask("n")
+    assert no.stdout.strip().endswith("False")
+    late, events = await ask(None)
+    assert late.stdout.strip().endswith("False")
+    replies = [e for e in events if isinstance(e, InputReplyEvent)]
+    assert [r.answered_by for r in replies] == ["deadline"]
+    prompt = next(e for e in events if isinstance(e, InputRequestEvent))
+    assert "Delete file A?" in prompt.prompt
+    handle = await s.submit("x = input('name? ')")
+    result = await handle.wait()
+    assert result.error is not None and result.error.name == "EOFError"

@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
@@ -48,6 +47,7 @@ from kernelhub.client import (
     ServerError,
     SessionEndedError,
     StreamLostError,
+    TooLargeError,
 )
 from kernelhub.client import errors as client_errors
 from kernelhub.models import (
@@ -198,6 +198,22 @@ def test_every_client_error_shares_the_one_root() -> None:
     assert all(issubclass(c, ClientError) for c in classes)
 
 
+def test_client_errors_are_also_the_servers_errors_of_the_same_meaning() -> None:
+    from kernelhub import errors as core
+
+    assert issubclass(NotFoundError, core.NotFoundError)
+    assert issubclass(AuthError, core.AuthError)
+    assert issubclass(TooLargeError, core.TooLargeError)
+    assert issubclass(TooLargeError, core.InvalidRequestError)
+    assert issubclass(ConflictError, core.SessionError)
+    assert issubclass(SessionEndedError, core.SessionClosedError)
+    forbidden = client_errors.api_error(403, "forbidden", "admins only")
+    assert isinstance(forbidden, AuthError) and forbidden.admin_required
+    assert isinstance(client_errors.api_error(None, "too_many", "x"), RateLimitedError)
+    assert isinstance(client_errors.api_error(None, "invalid_frame", "x"), InvalidRequestError)
+    assert type(client_errors.api_error(None, "something_new", "x")) is ApiError
+
+
 @pytest.mark.parametrize(
     ("status", "cls"),
     [
@@ -207,7 +223,7 @@ def test_every_client_error_shares_the_one_root() -> None:
         (404, NotFoundError),
         (409, ConflictError),
         (410, SessionEndedError),
-        (413, InvalidRequestError),
+        (413, TooLargeError),
         (422, InvalidRequestError),
         (429, RateLimitedError),
         (500, ServerError),
@@ -532,8 +548,13 @@ class FakeGateway:
         close_after_hello: int | None = None,
         refuse_handshakes: list[int] | None = None,
         drop_before_accept_once: bool = False,
+        delete_at: int | None = None,
+        input_deadline: bool = False,
     ) -> None:
+        self.input_deadline = input_deadline  # refuse replies: the deadline answered first
         self.drops = dict(drops or {})
+        self.delete_at = delete_at  # after sending this seq: deleted, cut off like the gateway
+        self.deleted = False
         self.close_after_hello = close_after_hello
         self.refuse_handshakes = list(refuse_handshakes or [])
         self.drop_before_accept_once = drop_before_accept_once
@@ -618,7 +639,7 @@ class FakeGateway:
         if ws.request.headers.get("Authorization") != f"Bearer {TOKEN}":
             await ws.close(4401, "bad token")
             return
-        if path != f"/v1/sessions/{SID}/stream":
+        if path != f"/v1/sessions/{SID}/stream" or self.deleted:
             await ws.close(4404, "no such session")
             return
         self.connections.append(since)
@@ -646,6 +667,10 @@ class FakeGateway:
         while True:
             frame = await out.get()
             await ws.send(frame.model_dump_json())
+            if isinstance(frame, EventFrame) and frame.event.seq == self.delete_at:
+                self.deleted = True
+                await ws.close(4408, "too slow")  # what the real gateway does today
+                return
             if isinstance(frame, EventFrame) and frame.event.seq in self.drops:
                 code = self.drops.pop(frame.event.seq)
                 if code is None:
@@ -679,7 +704,14 @@ class FakeGateway:
             out.put_nowait(AcceptedFrame(request_id=frame.request_id, execution_id=eid))
         elif isinstance(frame, InputReplyFrame):
             self.input_replies.append(frame.value)
-            self._inputs[frame.execution_id].set_result(frame.value)
+            if self.input_deadline:
+                self._inputs[frame.execution_id].set_result("(deadline)")
+                refusal = ErrorFrame(
+                    request_id=frame.request_id, error="conflict", message="no cell is waiting"
+                )
+                out.put_nowait(refusal)
+            else:
+                self._inputs[frame.execution_id].set_result(frame.value)
         elif isinstance(frame, PingFrame):
             out.put_nowait(PongFrame(request_id=frame.request_id))
 
@@ -811,6 +843,16 @@ async def test_events_replay_from_since_and_resume_across_drops(
     assert fake.connections[0] == 4 and fake.connections[1] == 10
 
 
+async def test_events_end_when_the_session_is_deleted(
+    gateway: Callable[..., FakeGateway],
+) -> None:
+    fake = gateway(history=5, delete_at=3)
+    async with attached(fake) as session:
+        seqs = [event.seq async for event in session.events()]
+    assert seqs == [1, 2, 3]
+    assert fake.connections == [0]  # the reconnect was refused with 4404
+
+
 async def test_on_input_answers_the_prompt(gateway: Callable[..., FakeGateway]) -> None:
     fake = gateway()
     prompts: list[str] = []
@@ -826,6 +868,16 @@ async def test_on_input_answers_the_prompt(gateway: Callable[..., FakeGateway]) 
     assert execution.stdout == "hello Ada\n" and again.stdout == "hello Bob\n"
     assert isinstance(execution.events[0], InputRequestEvent)
     assert fake.input_replies == ["Ada", "Bob"]
+
+
+async def test_a_refused_input_reply_does_not_end_the_run(
+    gateway: Callable[..., FakeGateway], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = gateway(input_deadline=True)
+    async with attached(fake) as session:
+        execution = await session.run("input:Name? ", on_input=lambda prompt: "too late")
+    assert execution.stdout == "hello (deadline)\n"
+    assert "input reply refused: conflict" in caplog.text
 
 
 async def test_an_error_frame_raises_its_exception(gateway: Callable[..., FakeGateway]) -> None:
@@ -909,7 +961,7 @@ def test_every_close_code_of_the_protocol_is_classified() -> None:
         return ConnectionClosed(Close(code, "why"), None)
 
     assert isinstance(_close_error(close(CloseCode.UNAUTHORIZED), SID), AuthError)
-    assert isinstance(_close_error(close(CloseCode.POLICY), SID), AuthError)
+    assert isinstance(_close_error(close(CloseCode.POLICY), SID), InvalidRequestError)
     assert isinstance(_close_error(close(CloseCode.NOT_FOUND), SID), NotFoundError)
     assert isinstance(_close_error(close(CloseCode.SESSION_ENDED), SID), SessionEndedError)
     assert isinstance(_close_error(close(1009), SID), ProtocolError)
@@ -992,14 +1044,22 @@ def test_sync_close_stops_the_portal_thread() -> None:
     hub = Hub("http://127.0.0.1:9", TOKEN)
     portal = hub._portal.thread
     assert portal.is_alive()
-    hub.close()
-    hub.close()  # idempotent
-    deadline = time.monotonic() + 5 * UNIT
-    while portal.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    hub.close()  # joins the thread
     assert not portal.is_alive()
+    hub.close()  # idempotent
     with pytest.raises(ClientError, match="closed"):
         hub.list_sessions()
+
+
+def test_a_forgotten_hub_stops_its_thread_when_collected() -> None:
+    import gc
+
+    hub = Hub("http://127.0.0.1:9", TOKEN)
+    portal = hub._portal.thread
+    del hub
+    gc.collect()
+    portal.join(5 * UNIT)
+    assert not portal.is_alive()
 
 
 def test_sync_rest_shares_the_async_error_table() -> None:
