@@ -52,6 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     build.add_argument("--base", default="auto", help="auto | debootstrap | python-slim | IMAGE")
     build.add_argument("--tag", default=None, help="image name (default: the configured one)")
     build.add_argument("--mirror", default=None, help="Debian mirror for debootstrap")
+    gateway = image_sub.add_parser(
+        "build-gateway", help="build the gateway's own image, for compose.yaml (offline-capable)"
+    )
+    gateway.add_argument("--base", default="auto", help="auto | debootstrap | python-slim | IMAGE")
+    gateway.add_argument("--tag", default=None, help="default: kernelhub/gateway:VERSION")
+    gateway.add_argument("--mirror", default=None, help="Debian mirror for debootstrap")
+    gateway.add_argument("--source", type=Path, default=None, help="kernelhub source checkout")
 
     sub.add_parser("reap", help="remove sandboxes and directories left by a crashed kernelhub")
 
@@ -78,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "exec":
             code = sys.stdin.read() if args.code == "-" else args.code
             return asyncio.run(_exec(settings, code, args.timeout))
+        if args.command == "image" and args.image_command == "build-gateway":
+            return _image_build_gateway(settings, args)
         if args.command == "image":
             return _image_build(settings, args.base, args.tag, args.mirror)
         if args.command == "reap":
@@ -182,10 +191,26 @@ def _image_build(settings: Settings, base: str, tag: str | None, mirror: str | N
     return 0
 
 
+def _image_build_gateway(settings: Settings, args: argparse.Namespace) -> int:
+    from kernelhub.image import DEBIAN_MIRROR
+    from kernelhub.image.gateway import build_gateway_image
+
+    info = build_gateway_image(
+        settings,
+        tag=args.tag,
+        base=args.base,
+        mirror=args.mirror or DEBIAN_MIRROR,
+        source=args.source,
+        progress=lambda line: print(line, flush=True),
+    )
+    print(f"built {info.name} ({info.size_bytes / 2**20:.0f} MiB, python {info.python_version})")
+    return 0
+
+
 async def _reap(settings: Settings) -> int:
     from kernelhub.sandbox.backends import make_backend
 
-    backend = make_backend(settings)
+    backend = make_backend(settings, instance=settings.gateway.instance)
     try:
         removed = await backend.reap_orphans()
     finally:

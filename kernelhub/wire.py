@@ -49,6 +49,7 @@ class SessionState(StrEnum):
     STARTING = "starting"
     READY = "ready"
     BUSY = "busy"
+    PAUSED = "paused"
     DEAD = "dead"
     DELETED = "deleted"
 
@@ -86,6 +87,15 @@ class ExecutionInfo(BaseModel):
     events: list[Event] | None = Field(None, description="outputs in order (when finished)")
 
 
+class InputReply(_In):
+    value: str = Field(max_length=MAX_CODE_CHARS)
+
+
+class FileInfo(BaseModel):
+    path: str
+    size: int
+
+
 class ErrorBody(BaseModel):
     """Every 4xx/5xx answer: what went wrong and what to do."""
 
@@ -117,13 +127,24 @@ class InputReplyFrame(_In):
     request_id: str | None = Field(None, max_length=200)
 
 
+class PauseFrame(_In):
+    type: Literal["pause"]
+    request_id: str | None = Field(None, max_length=200)
+
+
+class ResumeFrame(_In):
+    type: Literal["resume"]
+    request_id: str | None = Field(None, max_length=200)
+
+
 class PingFrame(_In):
     type: Literal["ping"]
     request_id: str | None = Field(None, max_length=200)
 
 
 ClientFrame = Annotated[
-    ExecuteFrame | InterruptFrame | InputReplyFrame | PingFrame, Field(discriminator="type")
+    ExecuteFrame | InterruptFrame | InputReplyFrame | PauseFrame | ResumeFrame | PingFrame,
+    Field(discriminator="type"),
 ]
 
 
@@ -175,7 +196,7 @@ class CloseCode:
 
     NORMAL = 1000
     GOING_AWAY = 1001
-    POLICY = 1008  # bad or missing token
+    POLICY = 1008  # a malformed connection request (e.g. a bad ``since``)
     UNAUTHORIZED = 4401
     NOT_FOUND = 4404  # no such session, or not yours
     TOO_SLOW = 4408  # the client fell too far behind; reconnect with since=<last seq>

@@ -519,6 +519,19 @@ class AsyncSession:
         """Send KeyboardInterrupt to a running execution; variables are kept."""
         await self.hub._send("POST", f"/v1/executions/{quote(execution_id, safe='')}/interrupt")
 
+    async def pause(self) -> SessionInfo:
+        """Freeze the whole sandbox: no CPU, the running cell shows ``paused`` and its
+        timeout stops; execute/interrupt answer 409 until :meth:`resume`."""
+        response = await self.hub._send("POST", f"/v1/sessions/{quote(self.id, safe='')}/pause")
+        self.last_info = _parse(SessionInfo, response)
+        return self.last_info
+
+    async def resume(self) -> SessionInfo:
+        """Thaw a paused session; the cell continues exactly where it stopped."""
+        response = await self.hub._send("POST", f"/v1/sessions/{quote(self.id, safe='')}/resume")
+        self.last_info = _parse(SessionInfo, response)
+        return self.last_info
+
     async def cancel(self, execution_id: str) -> ExecutionInfo:
         """Drop a queued execution before it starts."""
         response = await self.hub._send(

@@ -279,6 +279,8 @@ class Session(_Twin[AsyncSession]):
     get_execution = _forward(AsyncSession.get_execution)
     wait = _forward(AsyncSession.wait)
     interrupt = _forward(AsyncSession.interrupt)
+    pause = _forward(AsyncSession.pause)
+    resume = _forward(AsyncSession.resume)
     cancel = _forward(AsyncSession.cancel)
     send_input = _forward(AsyncSession.send_input)
     events = _forward_iter(AsyncSession.events)

@@ -9,7 +9,6 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
 
 from kernelhub.gateway.auth import admin, client_address, principal
 from kernelhub.session.manager import SessionManager
@@ -18,6 +17,7 @@ from kernelhub.wire import (
     ErrorBody,
     ExecutionCreate,
     ExecutionInfo,
+    InputReply,
     SessionCreate,
     SessionInfo,
     SessionList,
@@ -29,11 +29,6 @@ Admin = Annotated[Principal, Depends(admin)]
 ERRORS: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 422, 429, 503)
 }
-
-
-class InputReply(BaseModel):
-    model_config = {"extra": "forbid"}
-    value: str = Field(max_length=1_000_000)
 
 
 def manager(request: Request) -> SessionManager:
@@ -90,6 +85,18 @@ async def get_session(session_id: str, request: Request, caller: Caller) -> Sess
 async def delete_session(session_id: str, request: Request, caller: Caller) -> Response:
     await manager(request).delete(caller, session_id, client_address(request))
     return Response(status_code=204)
+
+
+@router.post("/v1/sessions/{session_id}/pause", responses=ERRORS, tags=["sessions"])
+async def pause_session(session_id: str, request: Request, caller: Caller) -> SessionInfo:
+    """Freeze the sandbox (cgroup freezer). While paused, execute, interrupt and snapshot
+    answer 409; delete works."""
+    return await manager(request).pause(caller, session_id, client_address(request))
+
+
+@router.post("/v1/sessions/{session_id}/resume", responses=ERRORS, tags=["sessions"])
+async def resume_session(session_id: str, request: Request, caller: Caller) -> SessionInfo:
+    return await manager(request).resume(caller, session_id, client_address(request))
 
 
 @router.post(

@@ -31,8 +31,10 @@ from kernelhub.wire import (
     HelloFrame,
     InputReplyFrame,
     InterruptFrame,
+    PauseFrame,
     PingFrame,
     PongFrame,
+    ResumeFrame,
 )
 
 log = logging.getLogger(__name__)
@@ -188,3 +190,7 @@ async def _handle(
         await manager.interrupt(principal, running.id)
     elif isinstance(frame, InputReplyFrame):
         await manager.send_input(principal, frame.execution_id, frame.value)
+    elif isinstance(frame, PauseFrame):
+        await manager.pause(principal, live.id, client)
+    elif isinstance(frame, ResumeFrame):
+        await manager.resume(principal, live.id, client)

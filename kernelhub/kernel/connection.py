@@ -110,10 +110,14 @@ class SessionDir:
     @classmethod
     def load(cls, root: Path, *, sandbox_uid: int) -> SessionDir:
         """Re-open the directory of a sandbox that outlived its kernelhub process."""
-        fd = os.open(root / "kernel.json", os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd) as fh:
-            info = json.load(fh)
-        return cls(root=root, sandbox_uid=sandbox_uid, key=SecretStr(str(info["key"])))
+        try:
+            fd = os.open(root / "kernel.json", os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as fh:
+                info = json.load(fh)
+            key = SecretStr(str(info["key"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SandboxError(f"cannot re-open the sandbox directory {root}: {exc}") from exc
+        return cls(root=root, sandbox_uid=sandbox_uid, key=key)
 
     def remove(self) -> None:
         # rmtree walks with file descriptors and does not follow symlinks planted in ipc/.

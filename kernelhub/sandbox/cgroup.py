@@ -22,10 +22,17 @@ class CgroupFiles:
     v2: bool
 
     @classmethod
-    def for_pid(cls, pid: int, root: Path = Path("/sys/fs/cgroup")) -> CgroupFiles | None:
+    def for_pid(
+        cls, pid: int, root: Path = Path("/sys/fs/cgroup"), *, must_contain: str | None = None
+    ) -> CgroupFiles | None:
+        """``must_contain``: a container id the cgroup path must name. In another pid
+        namespace (kernelhub itself in a container) the host pid may be some other process;
+        then we report nothing rather than someone else's numbers."""
         try:
             lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
         except OSError:
+            return None
+        if must_contain and not any(must_contain in line for line in lines):
             return None
         return cls.from_proc_cgroup(lines, root)
 

@@ -282,7 +282,7 @@ class DockerSandbox(Sandbox):
     def _load_cgroup(self) -> None:
         pid = self.container.attrs.get("State", {}).get("Pid")
         if pid:
-            self._cgroup = CgroupFiles.for_pid(int(pid))
+            self._cgroup = CgroupFiles.for_pid(int(pid), must_contain=self.container.id)
 
     async def wait_exit(self) -> ExitInfo:
         info = await asyncio.shield(self._exit)

@@ -34,6 +34,7 @@ from kernelhub.models import (
     ExecutionRecord,
     ExecutionStatus,
     FinalEvent,
+    InputReplyEvent,
     NoticeEvent,
     StatusEvent,
 )
@@ -302,6 +303,18 @@ class SessionManager:
             task = asyncio.create_task(self._finished(live, event.record))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        elif isinstance(event, InputReplyEvent):
+            # Who answered (a principal, or the deadline), when, and what.
+            entry = AuditEntry(
+                principal=event.answered_by,
+                action="execution.input",
+                session_id=live.id,
+                execution_id=event.execution_id,
+                detail={"value": event.value, "password": event.password},
+            )
+            task = asyncio.create_task(self.store.audit(entry))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         elif isinstance(event, StatusEvent):
             task = asyncio.create_task(
                 self.store.update_execution(event.execution_id, event.status)
@@ -362,7 +375,9 @@ class SessionManager:
             )
         live = self._get(principal, session_id)
         state = live.state
-        if state == SessionState.READY and live.kernel and live.kernel.running is not None:
+        if state == SessionState.READY and live.kernel and live.kernel.paused:
+            state = SessionState.PAUSED
+        elif state == SessionState.READY and live.kernel and live.kernel.running is not None:
             state = SessionState.BUSY
         last = live.kernel.last_seq if live.kernel else await self.store.last_seq(session_id)
         return _info(live.stored, state, live.reason, last)
@@ -546,16 +561,39 @@ class SessionManager:
             or running.status != ExecutionStatus.AWAITING_INPUT
         ):
             raise SessionError(f"execution {execution_id} is not waiting for input")
-        kernel.send_input(value)
+        kernel.send_input(value, answered_by=principal.name)  # audited from its event
+
+    # -- pause and resume --------------------------------------------------------------
+
+    async def pause(
+        self, principal: Principal, session_id: str, client: str | None = None
+    ) -> SessionInfo:
+        live = self._get(principal, session_id)
+        await self._kernel(live).pause()
         await self.store.audit(
             AuditEntry(
                 principal=principal.name,
-                action="execution.input",
-                session_id=live.id,
-                execution_id=execution_id,
-                detail={"value": value},
+                action="session.pause",
+                session_id=session_id,
+                client=client,
             )
         )
+        return await self.info(principal, session_id)
+
+    async def resume(
+        self, principal: Principal, session_id: str, client: str | None = None
+    ) -> SessionInfo:
+        live = self._get(principal, session_id)
+        await self._kernel(live).resume()
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="session.resume",
+                session_id=session_id,
+                client=client,
+            )
+        )
+        return await self.info(principal, session_id)
 
     # -- files -------------------------------------------------------------------------
 

@@ -414,3 +414,38 @@ async def test_files_upload_download_over_http(gateway: Gateway, http: httpx.Asy
     assert (
         await http.get(f"/v1/sessions/{sid}/files/in/data.bin", headers=auth(bob))
     ).status_code == 404
+
+
+async def test_pause_and_resume_through_the_api(gateway: Gateway, http: httpx.AsyncClient) -> None:
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    h = auth(token)
+    # The cell sleeps longer than its timeout allows *running*; the paused time is free.
+    r = await http.post(
+        f"/v1/sessions/{sid}/executions",
+        json={"code": "import time\ntime.sleep(4)\nprint('woke')", "timeout": 3.5},
+        headers=h,
+    )
+    eid = r.json()["id"]
+    await asyncio.sleep(1.0)
+    r = await http.post(f"/v1/sessions/{sid}/pause", headers=h)
+    assert r.status_code == 200 and r.json()["state"] == "paused", r.text
+    assert (await http.get(f"/v1/executions/{eid}", headers=h)).json()["status"] == "paused"
+    r = await http.post(f"/v1/sessions/{sid}/executions", json={"code": "1"}, headers=h)
+    assert r.status_code == 409 and "resume" in r.json()["message"]
+    r = await http.post(f"/v1/executions/{eid}/interrupt", headers=h)
+    assert r.status_code == 409
+    await asyncio.sleep(2.5)
+    r = await http.post(f"/v1/sessions/{sid}/resume", headers=h)
+    assert r.status_code == 200 and r.json()["state"] in ("busy", "ready")
+    for _ in range(200):
+        info = (await http.get(f"/v1/executions/{eid}", headers=h)).json()
+        if info["record"]:
+            break
+        await asyncio.sleep(0.05)
+    assert info["status"] == "completed", info["record"]
+    assert info["record"]["paused_seconds"] >= 2.5
+    assert stdout(info) == "woke\n"
+    admin = gateway.token("root", admin=True)
+    async with httpx.AsyncClient(base_url=gateway.url) as c:
+        assert (await c.post("/v1/admin/stop-all", headers=auth(admin))).json()["stopped"] == 1
