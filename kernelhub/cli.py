@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import os
 import sys
 import uuid
 from collections.abc import Sequence
@@ -41,10 +42,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--backend", choices=["auto", "docker", "local"])
     demo.add_argument("--out", type=Path, default=Path("."), help="where plots are saved")
 
-    run = sub.add_parser("exec", help="run code in a fresh session and stream its output")
+    run = sub.add_parser("exec", help="run code on a gateway and stream its output")
     run.add_argument("code", help="the code, or - to read it from stdin")
-    run.add_argument("--backend", choices=["auto", "docker", "local"])
+    run.add_argument("--session", default=None, help="run in this session (default: a new one)")
     run.add_argument("--timeout", type=float, default=None)
+    _gateway_args(run)
+
+    sessions = sub.add_parser("sessions", help="your sessions on a gateway")
+    sessions_sub = sessions.add_subparsers(dest="sessions_command", required=True)
+    _gateway_args(sessions_sub.add_parser("ls", help="list sessions"))
+    rm = sessions_sub.add_parser("rm", help="delete sessions")
+    rm.add_argument("ids", nargs="+")
+    _gateway_args(rm)
 
     image = sub.add_parser("image", help="the kernel image")
     image_sub = image.add_subparsers(dest="image_command", required=True)
@@ -84,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_demo(settings, args.out))
         if args.command == "exec":
             code = sys.stdin.read() if args.code == "-" else args.code
-            return asyncio.run(_exec(settings, code, args.timeout))
+            return _exec(args, code)
+        if args.command == "sessions":
+            return _sessions(args)
         if args.command == "image" and args.image_command == "build-gateway":
             return _image_build_gateway(settings, args)
         if args.command == "image":
@@ -162,18 +173,57 @@ async def _demo(settings: Settings, out: Path) -> int:
     return 0
 
 
-async def _exec(settings: Settings, code: str, timeout: float | None) -> int:
-    backend, session = await _open(settings)
-    status = 1
-    try:
-        async for event in session.stream(code, timeout=timeout):
-            _print_event(event)
-            if isinstance(event, FinalEvent):
-                status = 0 if event.record.status.value == "completed" else 1
-    finally:
-        await session.close()
-        await backend.close()
-    return status
+def _gateway_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", default=os.environ.get("KERNELHUB_URL", "http://127.0.0.1:8765"),
+        help="gateway address (env KERNELHUB_URL)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--token", default=os.environ.get("KERNELHUB_TOKEN"),
+        help="bearer token (env KERNELHUB_TOKEN; make one with `kernelhub token create`)",
+    )  # fmt: skip
+
+
+def _hub(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kernelhub.client import Hub
+
+    if not args.token:
+        raise KernelhubError(
+            "no token: pass --token or set KERNELHUB_TOKEN (`kernelhub token create --name me`)"
+        )
+    return Hub(args.url, args.token)
+
+
+def _exec(args: argparse.Namespace, code: str) -> int:
+    with _hub(args) as hub:
+        session = hub.session(args.session) if args.session else hub.create_session()
+        try:
+            result = session.run(
+                code,
+                timeout=args.timeout,
+                on_event=lambda e: None if isinstance(e, StreamEvent) else _print_event(e),
+                on_stdout=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+                on_stderr=lambda text: (sys.stderr.write(text), sys.stderr.flush()),
+                on_input=lambda prompt: input(prompt),
+            )
+        finally:
+            if not args.session:
+                session.delete()
+    return 0 if result.status.value == "completed" else 1
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    with _hub(args) as hub:
+        if args.sessions_command == "ls":
+            for s in hub.list_sessions():
+                print(
+                    f"{s.id}\t{s.state.value}\t{s.backend}\t{s.created_at:%Y-%m-%d %H:%M:%S}\t{s.reason or ''}"
+                )
+        else:
+            for sid in args.ids:
+                hub.session(sid).delete()
+                print(f"deleted {sid}")
+    return 0
 
 
 def _image_build(settings: Settings, base: str, tag: str | None, mirror: str | None) -> int:

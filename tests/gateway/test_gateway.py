@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -449,3 +451,64 @@ async def test_pause_and_resume_through_the_api(gateway: Gateway, http: httpx.As
     admin = gateway.token("root", admin=True)
     async with httpx.AsyncClient(base_url=gateway.url) as c:
         assert (await c.post("/v1/admin/stop-all", headers=auth(admin))).json()["stopped"] == 1
+
+
+async def test_cli_exec_streams_and_sessions_ls_rm(gateway: Gateway) -> None:
+    token = gateway.token("alice")
+    env = {**gateway.env, "KERNELHUB_URL": gateway.url, "KERNELHUB_TOKEN": token}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kernelhub.cli", "exec", "-",
+        env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(
+        proc.communicate(b"for i in range(3):\n    print('line', i)\n"), 60 * UNIT
+    )
+    assert proc.returncode == 0, err.decode()
+    assert "line 0\nline 1\nline 2\n" in out.decode()
+    failing = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kernelhub.cli", "exec", "1/0", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(failing.communicate(), 60 * UNIT)
+    assert failing.returncode == 1 and "ZeroDivisionError" in out.decode()
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        sid = await new_session(http, token)
+    listed = subprocess.run(
+        [sys.executable, "-m", "kernelhub.cli", "sessions", "ls"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert sid in listed.stdout
+    subprocess.run(
+        [sys.executable, "-m", "kernelhub.cli", "sessions", "rm", sid],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    listed = subprocess.run(
+        [sys.executable, "-m", "kernelhub.cli", "sessions", "ls"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert sid not in listed.stdout
+
+
+async def test_sdk_against_the_real_gateway(gateway: Gateway) -> None:
+    from kernelhub.client import AsyncHub
+
+    token = gateway.token("alice")
+    async with AsyncHub(gateway.url, token) as hub:
+        session = await hub.create_session()
+        await session.run("x = 1")
+        lines: list[str] = []
+        result = await session.run("for i in range(3): print(x + i)", on_stdout=lines.append)
+        assert "".join(lines) == "1\n2\n3\n" and result.status.value == "completed"
+        await session.upload("notes.txt", b"hello")
+        assert await session.download("notes.txt") == b"hello"
+        answered = await session.run("print(confirm('go?'))", on_input=lambda prompt: "y")
+        assert answered.stdout.strip() == "True"
+        await session.delete()
