@@ -64,6 +64,12 @@ class EngineSettings(BaseModel):
     start_timeout: float = Field(60.0, gt=0, description="seconds for a kernel to come up")
     interrupt_grace: float = Field(3.0, gt=0, description="seconds an interrupt may take")
     restart_grace: float = Field(20.0, gt=0, description="seconds a kernel restart may take")
+    retain_finished: int = Field(
+        64,
+        ge=0,
+        description="finished executions (with their outputs) an engine keeps in memory; "
+        "the gateway keeps none, its store is the record",
+    )
 
 
 class GatewaySettings(BaseModel):
@@ -84,6 +90,9 @@ class GatewaySettings(BaseModel):
     )
     max_body_bytes: int = Field(2 * MiB, ge=1024, description="largest JSON request body")
     max_file_bytes: int = Field(100 * MiB, ge=1024, description="largest upload/download")
+    stream_stall_timeout: float = Field(
+        30.0, gt=0, description="seconds one frame may wait on a client that stopped reading"
+    )
     stream_buffer_bytes: int = Field(
         8 * MiB,
         ge=64 * 1024,

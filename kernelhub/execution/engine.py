@@ -17,7 +17,8 @@ import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -146,7 +147,10 @@ class KernelSession:
         self._listeners: list[Listener] = []
         self._queue: asyncio.Queue[ExecutionHandle] = asyncio.Queue()
         self._handles: dict[str, ExecutionHandle] = {}
-        self._collectors: OrderedDict[str, tuple[OutputCollector, ExecutionHandle]] = OrderedDict()
+        self._finished: deque[str] = deque()
+        self._collectors: OrderedDict[
+            str, tuple[OutputCollector, weakref.ReferenceType[ExecutionHandle]]
+        ] = OrderedDict()
         self._active: tuple[OutputCollector, ExecutionHandle, asyncio.Future[None]] | None = None
         self._pumps: list[asyncio.Task[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -458,6 +462,13 @@ class KernelSession:
 
     # -- internals: events ------------------------------------------------------------
 
+    def _retire(self, handle: ExecutionHandle) -> None:
+        """Forget all but the newest ``retain_finished`` finished executions, so a long
+        session's outputs do not pile up in memory (waiters keep their own reference)."""
+        self._finished.append(handle.id)
+        while len(self._finished) > self.engine.retain_finished:
+            self._handles.pop(self._finished.popleft(), None)
+
     def _check_open(self) -> None:
         if self._closed:
             raise SessionClosedError(f"session {self.id} is closed; create a new session")
@@ -469,6 +480,8 @@ class KernelSession:
     def _emit(self, handle: ExecutionHandle | None, event: Event) -> None:
         if handle is not None and handle.record is None:
             handle._emit(event)
+            if isinstance(event, FinalEvent):
+                self._retire(handle)
         for listener in self._listeners:
             try:
                 listener(event)
@@ -598,12 +611,14 @@ class KernelSession:
         if entry is None:
             self._route_orphan(msg)
             return
-        collector, handle = entry
+        collector, ref = entry
+        # Finished executions are only weakly held: their late output goes to listeners.
+        handle = ref()
         for event in collector.feed(msg):
             if isinstance(event, StatusEvent):
                 continue
             self._emit(handle, event)
-            if isinstance(event, InputRequestEvent):
+            if isinstance(event, InputRequestEvent) and handle is not None:
                 handle.awaiting_password = event.password
                 self._start_input_deadline(handle)
                 self._emit(
@@ -619,7 +634,7 @@ class KernelSession:
             return
         if collector.done:
             active[2].set_result(None)
-        elif collector.idle_seen and handle.interrupt_sent and not collector.reply_seen:
+        elif collector.idle_seen and active[1].interrupt_sent and not collector.reply_seen:
             # An interrupt that lands in ipykernel's own code around the cell ends it with
             # "idle" but no execute_reply. Give a reply in flight a moment, then end.
             asyncio.get_running_loop().call_later(_REPLY_AFTER_IDLE_GRACE, _settle, active[2])
@@ -661,27 +676,31 @@ class KernelSession:
 
     async def _worker(self) -> None:
         while True:
-            handle = await self._queue.get()
-            if handle.status != ExecutionStatus.QUEUED:
-                continue  # cancelled while queued
-            if self._exit is not None:
+            # One cell per call: no local here outlives its cell, so a finished cell's
+            # outputs are not kept alive while the worker waits for the next one.
+            await self._run_next(await self._queue.get())
+
+    async def _run_next(self, handle: ExecutionHandle) -> None:
+        if handle.status != ExecutionStatus.QUEUED:
+            return  # cancelled while queued
+        if self._exit is not None:
+            self._finish_unstarted(
+                handle, ExecutionStatus.KERNEL_DIED, EndedBy.KERNEL_DEATH, self._exit.reason
+            )
+            return
+        try:
+            await self._run(handle)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("execution %s crashed the worker", handle.id)
+            if handle.record is None:
                 self._finish_unstarted(
-                    handle, ExecutionStatus.KERNEL_DIED, EndedBy.KERNEL_DEATH, self._exit.reason
+                    handle,
+                    ExecutionStatus.FAILED,
+                    EndedBy.KILL,
+                    "internal error; see the kernelhub log",
                 )
-                continue
-            try:
-                await self._run(handle)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("execution %s crashed the worker", handle.id)
-                if handle.record is None:
-                    self._finish_unstarted(
-                        handle,
-                        ExecutionStatus.FAILED,
-                        EndedBy.KILL,
-                        "internal error; see the kernelhub log",
-                    )
 
     async def _run(self, handle: ExecutionHandle) -> None:
         assert self._client is not None
@@ -695,7 +714,7 @@ class KernelSession:
         collector = OutputCollector(
             handle.id, msg_id, limit_bytes=self.limits.output_bytes, next_seq=self._next_seq
         )
-        self._collectors[msg_id] = (collector, handle)
+        self._collectors[msg_id] = (collector, weakref.ref(handle))
         while len(self._collectors) > _RECENT_EXECUTIONS:
             self._collectors.popitem(last=False)
         self._active = (collector, handle, done)

@@ -121,9 +121,12 @@ async def create_execution(
 
 
 @router.get("/v1/executions/{execution_id}", responses=ERRORS, tags=["executions"])
-async def get_execution(execution_id: str, request: Request, caller: Caller) -> ExecutionInfo:
-    row, events = await manager(request).execution(caller, execution_id)
-    return _execution_info(row, events)
+async def get_execution(
+    execution_id: str, request: Request, caller: Caller, events: bool = True
+) -> ExecutionInfo:
+    """``events=false`` answers with the status and record only (cheap polling)."""
+    row, outputs = await manager(request).execution(caller, execution_id, events=events)
+    return _execution_info(row, outputs)
 
 
 @router.post(

@@ -83,10 +83,13 @@ async def stream(ws: WebSocket, session_id: str) -> None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+        if pump in done and not pump.cancelled() and pump.exception() is not None:
+            log.error("session %s: stream sender failed", live.id, exc_info=pump.exception())
         if pump in done and not pump.cancelled() and pump.exception() is None:
             code, reason = pump.result()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(ws.close(code=code, reason=reason), 1.0)
+                # Generous: a stalled client gets the close frame once it reads again.
+                await asyncio.wait_for(ws.close(code=code, reason=reason), 15.0)
     finally:
         live.fanout.unsubscribe(sub)
 
@@ -102,27 +105,45 @@ def _refusal(exc: Exception) -> tuple[int, str]:
 async def _send_events(
     manager: SessionManager, live: LiveSession, sub: Subscriber, sender: _Sender, since: int
 ) -> tuple[int, str]:
-    """Replay from the store, then forward live events; returns the close code and reason."""
-    # Subscribed first, flushed second: every event is either in the store or queued.
-    await live.fanout.flush()
-    last_seq = live.kernel.last_seq if live.kernel else await manager.store.last_seq(live.id)
-    await sender.send(HelloFrame(session_id=live.id, last_seq=last_seq).model_dump_json())
-    last = since
-    while True:
-        page = await manager.store.events_since(live.id, last, _REPLAY_PAGE)
-        for event in page:
-            await sender.send(EventFrame(event=event).model_dump_json())
-            last = event.seq
-        if len(page) < _REPLAY_PAGE:
-            break
-    while True:
-        live_event = await sub.get()
-        if live_event is None:
-            return CloseCode.TOO_SLOW, f"client too slow; reconnect with since={last}"
-        if live_event.seq <= last:
-            continue
-        await sender.send(EventFrame(event=live_event).model_dump_json())
-        last = live_event.seq
+    """Replay from the store, then forward live events; returns the close code and reason.
+
+    A client that reads slower than the kernel writes overflows its buffer: the buffer is
+    dropped and the client catches up from the store, page by page, then goes live again —
+    memory stays bounded and nothing is lost. A client that stops reading altogether is cut
+    off once one frame waits ``stream_stall_timeout`` seconds (close code 4408).
+    """
+    stall = manager.settings.gateway.stream_stall_timeout
+
+    async def send(text: str) -> None:
+        await asyncio.wait_for(sender.send(text), stall)
+
+    try:
+        # Subscribed first, flushed second: every event is either in the store or queued.
+        await live.fanout.flush()
+        last_seq = live.kernel.last_seq if live.kernel else await manager.store.last_seq(live.id)
+        await send(HelloFrame(session_id=live.id, last_seq=last_seq).model_dump_json())
+        last = since
+        while True:
+            while True:
+                page = await manager.store.events_since(live.id, last, _REPLAY_PAGE)
+                for event in page:
+                    await send(EventFrame(event=event).model_dump_json())
+                    last = event.seq
+                if not page:
+                    break
+            while (live_event := await sub.get()) is not None:
+                if live_event.seq <= last:
+                    continue
+                await send(EventFrame(event=live_event).model_dump_json())
+                last = live_event.seq
+            if sub.closed:
+                return CloseCode.SESSION_ENDED, "the session was deleted"
+            # Fell behind: re-arm, make the store complete up to now, catch up from it.
+            sub.rearm()
+            await live.fanout.flush()
+    except TimeoutError:
+        log.warning("session %s: a stream client stopped reading; closing it with 4408", live.id)
+        return CloseCode.TOO_SLOW, f"client stopped reading; reconnect with since={last}"
 
 
 async def _receive(

@@ -1,9 +1,9 @@
 """Every event of a session goes to the store (durably, in batches) and to each live
 subscriber (WebSocket clients), without letting a slow subscriber grow memory.
 
-A subscriber has a byte budget. If it falls further behind than that, it is marked
-``overflowed`` and dropped: its WebSocket closes with 4408 and the client reconnects with
-``since=<last seq it saw>``, catching up from the store. Nothing is lost, memory stays flat.
+A subscriber has a byte budget. If it falls further behind than that, its buffer is dropped
+and it is marked ``overflowed``; its reader catches up from the store and re-arms it. Nothing
+is lost and memory stays flat whatever the client does.
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ class Subscriber:
         self.budget = budget_bytes
         self.queued_bytes = 0
         self.overflowed = False
+        self.closed = False
         self._wake = asyncio.Event()
+
+    def rearm(self) -> None:
+        """Start buffering again after an overflow (the reader catches up from the store)."""
+        self.overflowed = False
 
     def offer(self, event: Event) -> None:
         if self.overflowed:
@@ -144,5 +149,6 @@ class SessionFanout:
         with contextlib.suppress(BaseException):
             await self._task
         for sub in list(self.subscribers):
+            sub.closed = True
             sub.overflowed = True
             sub._wake.set()

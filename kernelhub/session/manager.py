@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -84,11 +85,15 @@ class SessionManager:
         store: SqliteStore,
         observer: Observer | None = None,
     ) -> None:
-        self.settings = settings
+        # The store is the record of finished executions; engines keep none in memory.
+        self.settings = settings.model_copy(
+            update={"engine": settings.engine.model_copy(update={"retain_finished": 0})}
+        )
         self.backend = backend
         self.store = store
         self.observer = observer or Observer()
         self.sessions: dict[str, LiveSession] = {}
+        self._recent_records: OrderedDict[str, ExecutionRecord] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         budget = settings.gateway.memory_budget_bytes
         self.memory_budget = (
@@ -300,6 +305,9 @@ class SessionManager:
     def _on_event(self, live: LiveSession, event: Event) -> None:
         live.fanout.publish(event)
         if isinstance(event, FinalEvent):
+            self._recent_records[event.execution_id] = event.record
+            while len(self._recent_records) > 1024:
+                self._recent_records.popitem(last=False)
             task = asyncio.create_task(self._finished(live, event.record))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -495,7 +503,7 @@ class SessionManager:
         return live.kernel
 
     async def execution(
-        self, principal: Principal, execution_id: str
+        self, principal: Principal, execution_id: str, *, events: bool = True
     ) -> tuple[StoredExecution, list[Event] | None]:
         row = await self.store.get_execution(execution_id)
         if row is None or (row.owner != principal.name and not principal.admin):
@@ -507,7 +515,11 @@ class SessionManager:
                 update={"status": handle.status, "record": handle.record or row.record}
             )
             return row, list(handle.events) if handle.record else None
-        if row.record is not None:
+        # Finished a moment ago: its row may not be updated yet, its record is known.
+        recent = self._recent_records.get(execution_id)
+        if row.record is None and recent is not None:
+            row = row.model_copy(update={"status": recent.status, "record": recent})
+        if row.record is not None and events:
             if live is not None:
                 await live.fanout.flush()
             return row, await self.store.events_of(execution_id)

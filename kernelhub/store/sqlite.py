@@ -348,13 +348,29 @@ class SqliteStore:
 
         await self._run(append)
 
-    async def events_since(self, session_id: str, since: int, limit: int = 1000) -> list[Event]:
-        rows = await self._run(
-            self._q,
-            "SELECT body FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?",
-            (session_id, since, limit),
-        )
-        return [_EVENT.validate_json(r[0]) for r in rows]
+    async def events_since(
+        self, session_id: str, since: int, limit: int = 1000, max_bytes: int = 4 * 2**20
+    ) -> list[Event]:
+        """The next page of a session's events after ``since``: at most ``limit`` events
+        and about ``max_bytes`` (always at least one), so replay memory stays bounded."""
+
+        def page() -> list[str]:
+            assert self._db is not None
+            cur = self._db.execute(
+                "SELECT body FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                (session_id, since, limit),
+            )
+            bodies: list[str] = []
+            size = 0
+            for (body,) in cur:
+                bodies.append(body)
+                size += len(body)
+                if size >= max_bytes:
+                    break
+            cur.close()
+            return bodies
+
+        return [_EVENT.validate_json(b) for b in await self._run(page)]
 
     async def events_of(self, execution_id: str) -> list[Event]:
         rows = await self._run(
