@@ -106,12 +106,16 @@ class WsSession:
 
     async def run(self, code: str, first_stream: bool = False) -> float:
         t0 = time.perf_counter()
-        await self.conn.send(json.dumps({"type": "execute", "code": code}))
+        request = uuid.uuid4().hex
+        await self.conn.send(json.dumps({"type": "execute", "code": code, "request_id": request}))
         first = None
+        mine = None
         while True:
             frame = json.loads(await self.conn.recv())
-            if frame["type"] != "event":
-                continue
+            if frame["type"] == "accepted" and frame["request_id"] == request:
+                mine = frame["execution_id"]
+            if frame["type"] != "event" or frame["event"]["execution_id"] != mine:
+                continue  # other executions of the session (the REST rounds) stream here too
             event = frame["event"]
             if event["type"] == "stream" and first is None:
                 first = time.perf_counter() - t0
@@ -226,7 +230,8 @@ async def main() -> None:
             floor_tput = n * args.cells / (time.perf_counter() - t0)
             for s in sessions:
                 await s.close()
-            sids = [(await http.post("/v1/sessions", json={})).json()["id"] for _ in range(n)]
+            small = {"limits": {"memory_bytes": 256 * MiB}}
+            sids = [(await http.post("/v1/sessions", json=small)).json()["id"] for _ in range(n)]
 
             async def gw_worker(sid: str) -> None:
                 async with WsSession(gw, sid) as ws:

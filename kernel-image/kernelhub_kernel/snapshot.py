@@ -112,6 +112,7 @@ import tarfile
 import threading
 import time
 import types
+import typing
 import uuid
 import warnings
 import weakref
@@ -1286,9 +1287,9 @@ def _global_refs(data: bytes) -> Iterator[tuple[str, str]]:
             elif name == "MEMOIZE":
                 memo[len(memo)] = recent[-1]
             elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
-                memo[int(arg)] = recent[-1]
+                memo[int(str(arg))] = recent[-1]
             elif name in ("BINGET", "LONG_BINGET", "GET"):
-                recent = [recent[-1], memo.get(int(arg))]
+                recent = [recent[-1], memo.get(int(str(arg)))]
             elif name == "STACK_GLOBAL":
                 module, qualname = recent
                 if isinstance(module, str) and isinstance(qualname, str):
@@ -1334,7 +1335,7 @@ _ATOMIC_TYPES: frozenset[type] = frozenset(
         types.MemberDescriptorType,
     }
 )
-_K_PLAIN, _K_ATOM, _K_FUNCTION, _K_CLASS, _K_SKIP, _K_ARRAY, _K_BUILTIN = range(7)
+_K_PLAIN, _K_ATOM, _K_FUNCTION, _K_CLASS, _K_SKIP, _K_ARRAY, _K_BUILTIN, _K_BLOCK = range(8)
 
 
 class _Refs:
@@ -1398,7 +1399,13 @@ class _Reacher:
     classes and functions are pickled by reference, so sharing them means nothing;
     namespaces (this kernel's globals, module dicts) and kernel internals are barriers;
     functions are followed into closures and defaults, not globals; numpy arrays into
-    their ``base`` and, for object arrays, their items.
+    their ``base`` and, for object arrays, their items. Weak references link nothing.
+
+    pandas: frames derived from one another share column arrays, Index objects and
+    Copy-on-Write bookkeeping, and CoW makes that sharing invisible (a write copies
+    first). So a pandas Block contributes only the items of object columns (a cell-class
+    instance stored in a frame still links the frame to its class), and Index objects
+    (immutable) are values.
     """
 
     def __init__(self, shell: Any, refs: _Refs) -> None:
@@ -1419,7 +1426,14 @@ class _Reacher:
         self._value_types = _value_types()
         self._internal = _InternalTypes()
         np = sys.modules.get("numpy")
-        self._ndarray: type | None = np.ndarray if np is not None else None
+        self._ndarray: Any = np.ndarray if np is not None else None
+        pandas_internals = sys.modules.get("pandas._libs.internals")
+        self._block: type | None = getattr(pandas_internals, "Block", None)
+        skip: list[type] = [weakref.ReferenceType, weakref.ProxyType, weakref.CallableProxyType]
+        refs_type = getattr(pandas_internals, "BlockValuesRefs", None)
+        if isinstance(refs_type, type):
+            skip.append(refs_type)
+        self._skip_types = tuple(skip)
 
     def reach(self, root: Any) -> _Reach:
         seen: set[int] = set()
@@ -1457,6 +1471,13 @@ class _Reacher:
                 continue
             if kind == _K_CLASS and self.refs.importable(obj):
                 continue
+            if kind == _K_BLOCK:
+                values = obj.values
+                items: Any = values if self._ndarray and isinstance(values, self._ndarray) else None
+                items = getattr(values, "_ndarray", None) if items is None else items
+                if self._ndarray and isinstance(items, self._ndarray) and items.dtype.hasobject:
+                    stack.extend(self._drop_atoms(items.ravel().tolist()))
+                continue
             if kind == _K_BUILTIN:
                 # len, math.sqrt: nothing to share; [].append: its list is.
                 owner = obj.__self__
@@ -1492,8 +1513,10 @@ class _Reacher:
             return _K_BUILTIN
         if issubclass(t, type):
             return _K_CLASS
-        if issubclass(t, types.ModuleType):
+        if issubclass(t, types.ModuleType) or issubclass(t, self._skip_types):
             return _K_SKIP
+        if self._block is not None and issubclass(t, self._block):
+            return _K_BLOCK
         if self._ndarray is not None and issubclass(t, self._ndarray):
             return _K_ARRAY
         if issubclass(t, self._value_types):
@@ -1518,6 +1541,8 @@ def _value_types() -> tuple[type, ...]:
         ("pathlib", ("PurePath",)),
         ("numpy", ("dtype", "generic")),
         ("pandas.core.dtypes.base", ("ExtensionDtype",)),
+        ("pandas.core.indexes.base", ("Index",)),
+        ("pandas._libs.internals", ("BlockPlacement",)),
         ("pandas._libs.missing", ("NAType",)),
         ("pandas._libs.tslibs.nattype", ("NaTType",)),
         ("pandas._libs.tslibs.offsets", ("BaseOffset",)),
@@ -1700,9 +1725,12 @@ class _Reducer:
             return self._reduce_lru_cache
         if issubclass(t, types.ModuleType):
             return _reduce_module
-        if self.dill_mode and self._ndarray is not None and t is self._ndarray:
-            # dill's own numpy support pickles the data in-band; keep it out of band.
-            return lambda array: array.__reduce_ex__(5)
+        if self._ndarray is not None and t is self._ndarray:
+            return self._reduce_array
+        if t is _TYPEVAR_TYPE:
+            return _reduce_typevar
+        if self.dill_mode and t in (list, dict, set, frozenset, tuple):
+            return _reduce_atomic_container
         if not self.dill_mode and _defined_in_cell(t):
             return _raise_needs_dill
         return None
@@ -1721,6 +1749,14 @@ class _Reducer:
             raise _NeedsDill(cls.__qualname__)
         if isinstance(cls, enum.EnumMeta):
             return _reduce_enum(cls)
+        return NotImplemented
+
+    def _reduce_array(self, array: Any) -> Any:
+        if array.dtype.hasobject:
+            return _reduce_object_array(array)
+        if self.dill_mode:
+            # dill's own numpy support pickles the data in-band; keep it out of band.
+            return array.__reduce_ex__(5)
         return NotImplemented
 
     def _reduce_lru_cache(self, wrapper: Any) -> Any:
@@ -1763,7 +1799,7 @@ class _CPickler(pickle.Pickler):
 def _dill_pickler_class() -> type:
     import dill
 
-    class _DillPickler(dill.Pickler):  # type: ignore[misc, name-defined]
+    class _DillPickler(dill.Pickler):  # type: ignore[misc]
         _kh_reducer: _Reducer
 
         def reducer_override(self, obj: Any) -> Any:
@@ -1794,6 +1830,72 @@ def _dill_pickler(
     pickler._kh_reducer = reducer
     pickler._main = main
     return pickler
+
+
+_TYPEVAR_TYPE = type(typing.TypeVar("_T"))
+_ATOMIC_ITEMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+_BLOB_MIN_ITEMS = 1024
+_C_CONTAINER_MIN_ITEMS = 4096
+
+
+def _reduce_typevar(tv: Any) -> Any:
+    """A TypeVar made in a cell pickles as ``__main__.T``: rebuild it by value instead."""
+    if getattr(tv, "__module__", None) != "__main__":
+        return NotImplemented
+    return (
+        _make_typevar,
+        (tv.__name__, tv.__constraints__, tv.__bound__, tv.__covariant__, tv.__contravariant__),
+    )
+
+
+def _reduce_atomic_container(obj: Any) -> Any:
+    """dill pickles in Python, object by object; a big container of numbers and strings
+    has no identity inside to keep, so the C pickler does it, much faster."""
+    if len(obj) < _C_CONTAINER_MIN_ITEMS or (isinstance(obj, dict) and "__name__" in obj):
+        return NotImplemented  # (a module's namespace is saved by reference)
+    items = list(obj.keys()) + list(obj.values()) if isinstance(obj, dict) else obj
+    if not set(map(type, items)) <= _ATOMIC_ITEMS:
+        return NotImplemented
+    return (pickle.loads, (pickle.dumps(obj, protocol=5),))
+
+
+def _reduce_object_array(array: Any) -> Any:
+    """A large object array of strings (a pandas string or object column) as one UTF-8
+    blob, out of band: pickle memoizes each string, which is slow both ways.
+
+    The strings are joined with a separator that none of them contains (checked), so
+    restoring is one ``str.split``. Only when the strings are not shared objects
+    (sampled), so nothing grows at restore; non-string items (NaN, None, NA: missing
+    values) travel apart, by position.
+    """
+    if array.size < _BLOB_MIN_ITEMS or not (array.flags.c_contiguous or array.flags.f_contiguous):
+        return NotImplemented
+    order = "C" if array.flags.c_contiguous else "F"
+    items = array.ravel(order=order).tolist()
+    sample = items[:: max(1, len(items) // 4096)]
+    if len(set(map(id, sample))) < 0.9 * len(sample):
+        return NotImplemented
+    others: list[int] = []
+    extras: list[Any] = []
+    if set(map(type, items)) != {str}:
+        others = [i for i, item in enumerate(items) if type(item) is not str]
+        if len(others) > len(items) // 10:
+            return NotImplemented
+        extras = [items[i] for i in others]
+        for i in others:
+            items[i] = ""
+    for separator in _BLOB_SEPARATORS:
+        joined = separator.join(items)
+        if joined.count(separator) == len(items) - 1:
+            blob = joined.encode("utf-8", "surrogatepass")
+            return (
+                _rebuild_object_array,
+                (pickle.PickleBuffer(blob), separator, array.shape, order, others, extras),
+            )
+    return NotImplemented
+
+
+_BLOB_SEPARATORS = ("\x00", "\x1f", "\ufdd0", "\U0010fffe")
 
 
 def _reduce_module(module: types.ModuleType) -> Any:
@@ -1846,7 +1948,7 @@ def _reduce_file(f: Any) -> Any:
         kind, raw = "raw", f
     else:
         kind, raw = "buffered", f.raw
-    mode = getattr(f, "mode", None) or getattr(raw, "mode", "r")
+    mode = str(getattr(f, "mode", None) or getattr(raw, "mode", "r"))
     if kind == "text" and "b" in mode:
         mode = mode.replace("b", "")
     encoding = getattr(f, "encoding", None) if kind == "text" else None
@@ -2004,6 +2106,34 @@ def _restore_logger(
     return logger
 
 
+def _make_typevar(
+    name: str, constraints: tuple[Any, ...], bound: Any, covariant: bool, contravariant: bool
+) -> Any:
+    tv = typing.TypeVar(  # type: ignore[misc]
+        name, *constraints, bound=bound, covariant=covariant, contravariant=contravariant
+    )
+    tv.__module__ = "__main__"
+    return tv
+
+
+def _rebuild_object_array(
+    blob: Any,
+    separator: str,
+    shape: tuple[int, ...],
+    order: str,
+    others: list[int],
+    extras: list[Any],
+) -> Any:
+    import numpy as np
+
+    items = str(blob, "utf-8", "surrogatepass").split(separator)
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    for index, value in zip(others, extras, strict=True):
+        array[index] = value
+    return array.reshape(shape, order=order)  # type: ignore[call-overload]
+
+
 def _rebuild_lru_cache(func: Callable[..., Any], maxsize: int | None, typed: bool) -> Any:
     return functools.lru_cache(maxsize=maxsize, typed=typed)(func)
 
@@ -2084,7 +2214,7 @@ def _rebuild_enum(
     qualname: str,
     boundary: Any,
 ) -> type:
-    classdict = metaclass.__prepare__(name, bases)  # type: ignore[attr-defined]
+    classdict = metaclass.__prepare__(name, bases)
     classdict["__module__"] = "__main__"
     classdict["__qualname__"] = qualname
     for key, value in body.items():
@@ -2092,7 +2222,7 @@ def _rebuild_enum(
     for key, value in members:
         classdict[key] = value
     kwargs = {"boundary": boundary} if boundary is not None else {}
-    cls = metaclass(name, bases, classdict, **kwargs)
+    cls: type = metaclass(name, bases, classdict, **kwargs)
     for key, value in later.items():
         setattr(cls, key, value)
     for member_name, attrs in extras.items():
@@ -2112,7 +2242,7 @@ def _rebuild_enum(
 def _dill_unpickler_class() -> type:
     import dill
 
-    class _DillUnpickler(dill.Unpickler):  # type: ignore[misc, name-defined]
+    class _DillUnpickler(dill.Unpickler):  # type: ignore[misc]
         """dill's unpickler, rebuilding cell classes without re-running their hooks."""
 
         def find_class(self, module: str, name: str) -> Any:
@@ -2137,16 +2267,17 @@ def _create_type_without_hooks(metaclass: type, *args: Any) -> type:
         hook = vars(klass).get("__init_subclass__")
         if hook is not None and klass.__module__ == "__main__":
             with contextlib.suppress(AttributeError, TypeError):
-                klass.__init_subclass__ = classmethod(_no_hook)  # type: ignore[assignment]
+                setattr(klass, "__init_subclass__", classmethod(_no_hook))  # noqa: B010
                 muted.append((klass, hook))
     try:
-        return metaclass(*args)
+        created: type = metaclass(*args)
+        return created
     finally:
         for klass, hook in muted:
-            klass.__init_subclass__ = hook  # type: ignore[assignment]
+            setattr(klass, "__init_subclass__", hook)  # noqa: B010
 
 
-def _no_hook(cls: type, **kwargs: Any) -> None:
+def _no_hook(cls: type, /, **kwargs: Any) -> None:
     pass
 
 
@@ -2353,7 +2484,7 @@ class _PaddedReader:
 
     def read(self, n: int = -1) -> bytes:
         n = self._left if n < 0 else min(n, self._left)
-        data = self._f.read(n)
+        data: bytes = self._f.read(n)
         if len(data) < n:
             self.short = True
             data += b"\0" * (n - len(data))
@@ -2390,7 +2521,7 @@ def _write_workspace_tar(
                     with open(os.path.join(root, rel), "rb") as f:
                         info.size = os.fstat(f.fileno()).st_size
                         reader = _PaddedReader(f, info.size)
-                        tar.addfile(info, reader)  # type: ignore[arg-type]
+                        tar.addfile(info, reader)
                 except OSError as exc:
                     skipped.append({"path": rel, "reason": f"cannot read: {exc}"})
                     continue

@@ -77,7 +77,10 @@ class ExecutionHandle:
     for the finished :class:`Execution`. Consumers may stop iterating at any time: the cell
     keeps running and its events keep being recorded."""
 
-    def __init__(self, execution_id: str, code: str, timeout: float | None) -> None:
+    def __init__(
+        self, execution_id: str, code: str, timeout: float | None, *, keep_events: bool = True
+    ) -> None:
+        self.keep_events = keep_events
         self.id = execution_id
         self.code = code
         self.timeout = timeout
@@ -94,7 +97,10 @@ class ExecutionHandle:
         self._waiters: list[asyncio.Future[None]] = []
 
     def _emit(self, event: Event) -> None:
-        self.events.append(event)
+        # Without keep_events (the gateway streams and stores events itself) only the
+        # final event is kept, so a running cell's output is not held twice in memory.
+        if self.keep_events or isinstance(event, FinalEvent):
+            self.events.append(event)
         if isinstance(event, StatusEvent):
             self.status = event.status
         elif isinstance(event, FinalEvent):
@@ -285,10 +291,17 @@ class KernelSession:
     # -- executing --------------------------------------------------------------------
 
     async def submit(
-        self, code: str, *, timeout: float | None = _UNSET, execution_id: str | None = None
+        self,
+        code: str,
+        *,
+        timeout: float | None = _UNSET,
+        execution_id: str | None = None,
+        keep_events: bool = True,
     ) -> ExecutionHandle:
         """Queue a cell. ``timeout`` in seconds; ``None`` means no limit; default: the
-        session's ``cell_timeout``. Refused while the session is paused."""
+        session's ``cell_timeout``. Refused while the session is paused. With
+        ``keep_events=False`` the handle keeps only the final event (consume the rest
+        through a listener)."""
         self._check_open()
         if self._paused:
             raise SessionError("the session is paused; resume it before executing")
@@ -296,6 +309,7 @@ class KernelSession:
             execution_id or uuid.uuid4().hex,
             code,
             self.limits.cell_timeout if timeout is _UNSET else timeout,
+            keep_events=keep_events,
         )
         self._handles[handle.id] = handle
         self._emit(

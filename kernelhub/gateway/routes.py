@@ -111,12 +111,18 @@ async def create_execution(
     with the execution to poll or stream. A repeated ``idempotency_key`` returns the first
     execution and runs nothing."""
     m = manager(request)
-    row, handle, _created = await m.submit(caller, session_id, body, client_address(request))
+    row, handle, created = await m.submit(caller, session_id, body, client_address(request))
+    done = None
     if body.wait and handle is not None:
         # The cell keeps running if this client goes away; only the wait is abandoned.
-        await asyncio.shield(handle.wait())
-    row, events = await m.execution(caller, row.id)
-    info = _execution_info(row, events)
+        done = await asyncio.shield(handle.wait())
+    if done is not None and created:
+        # Straight from memory: this request asked to wait, so its handle kept the events.
+        row = row.model_copy(update={"status": done.record.status, "record": done.record})
+        info = _execution_info(row, done.events)
+    else:
+        row, events = await m.execution(caller, row.id)
+        info = _execution_info(row, events)
     return JSONResponse(info.model_dump(mode="json"), status_code=200 if row.record else 202)
 
 

@@ -25,7 +25,6 @@ from kernelhub.wire import (
     ClientFrame,
     CloseCode,
     ErrorFrame,
-    EventFrame,
     ExecuteFrame,
     ExecutionCreate,
     HelloFrame,
@@ -94,6 +93,11 @@ async def stream(ws: WebSocket, session_id: str) -> None:
         live.fanout.unsubscribe(sub)
 
 
+def _event_frame(body: str) -> str:
+    """An ``EventFrame`` around an event already serialized (see ``wire.EventFrame``)."""
+    return '{"type":"event","event":' + body + "}"
+
+
 def _refusal(exc: Exception) -> tuple[int, str]:
     if isinstance(exc, AuthError):
         return CloseCode.UNAUTHORIZED, str(exc)[:120]
@@ -126,16 +130,16 @@ async def _send_events(
         while True:
             while True:
                 page = await manager.store.events_since(live.id, last, _REPLAY_PAGE)
-                for event in page:
-                    await send(EventFrame(event=event).model_dump_json())
-                    last = event.seq
+                for seq, body in page:
+                    await send(_event_frame(body))
+                    last = seq
                 if not page:
                     break
-            while (live_event := await sub.get()) is not None:
-                if live_event.seq <= last:
+            while (item := await sub.get()) is not None:
+                if item.seq <= last:
                     continue
-                await send(EventFrame(event=live_event).model_dump_json())
-                last = live_event.seq
+                await send(_event_frame(item.body))
+                last = item.seq
             if sub.closed:
                 return CloseCode.SESSION_ENDED, "the session was deleted"
             # Fell behind: re-arm, make the store complete up to now, catch up from it.

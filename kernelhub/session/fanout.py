@@ -1,6 +1,9 @@
 """Every event of a session goes to the store (durably, in batches) and to each live
 subscriber (WebSocket clients), without letting a slow subscriber grow memory.
 
+Each event is serialized to JSON once, here; the store keeps that text and the WebSocket
+sends it as is.
+
 A subscriber has a byte budget. If it falls further behind than that, its buffer is dropped
 and it is marked ``overflowed``; its reader catches up from the store and re-arms it. Nothing
 is lost and memory stays flat whatever the client does.
@@ -12,25 +15,23 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
-from kernelhub.models import DisplayEvent, Event, ResultEvent, StreamEvent
+from kernelhub.models import Event
 from kernelhub.store.sqlite import SqliteStore
 
 log = logging.getLogger(__name__)
 
 
-def event_size(event: Event) -> int:
-    """A cheap upper-ish estimate of an event's wire size."""
-    if isinstance(event, StreamEvent):
-        return len(event.text) + 128
-    if isinstance(event, DisplayEvent | ResultEvent):
-        return sum(len(v) if isinstance(v, str) else 256 for v in event.data.values()) + 256
-    return 256
+class Published(NamedTuple):
+    seq: int
+    execution_id: str
+    body: str  # the event as JSON
 
 
 class Subscriber:
     def __init__(self, budget_bytes: int) -> None:
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: asyncio.Queue[Published] = asyncio.Queue()
         self.budget = budget_bytes
         self.queued_bytes = 0
         self.overflowed = False
@@ -41,10 +42,10 @@ class Subscriber:
         """Start buffering again after an overflow (the reader catches up from the store)."""
         self.overflowed = False
 
-    def offer(self, event: Event) -> None:
+    def offer(self, item: Published) -> None:
         if self.overflowed:
             return
-        size = event_size(event)
+        size = len(item.body)
         if self.queued_bytes + size > self.budget:
             self.overflowed = True
             # Release what it holds: it will catch up from the store.
@@ -53,18 +54,18 @@ class Subscriber:
             self._wake.set()
             return
         self.queued_bytes += size
-        self.queue.put_nowait(event)
+        self.queue.put_nowait(item)
         self._wake.set()
 
-    async def get(self) -> Event | None:
-        """The next event, or None once the subscriber overflowed."""
+    async def get(self) -> Published | None:
+        """The next event, or None once the subscriber overflowed (or was closed)."""
         while True:
             if self.overflowed:
                 return None
             if not self.queue.empty():
-                event = self.queue.get_nowait()
-                self.queued_bytes -= event_size(event)
-                return event
+                item = self.queue.get_nowait()
+                self.queued_bytes -= len(item.body)
+                return item
             self._wake.clear()
             await self._wake.wait()
 
@@ -83,7 +84,7 @@ class SessionFanout:
         self.session_id = session_id
         self.store = store
         self.subscribers: set[Subscriber] = set()
-        self._pending: list[Event] = []
+        self._pending: list[Published] = []
         self._wake = asyncio.Event()
         self._flushed_seq = 0
         self._published_seq = 0
@@ -92,11 +93,12 @@ class SessionFanout:
         self._task = asyncio.create_task(self._writer(), name=f"kernelhub-writer-{session_id}")
 
     def publish(self, event: Event) -> None:
-        self._pending.append(event)
+        item = Published(event.seq, event.execution_id, event.model_dump_json())
+        self._pending.append(item)
         self._published_seq = max(self._published_seq, event.seq)
         self._wake.set()
         for sub in self.subscribers:
-            sub.offer(event)
+            sub.offer(item)
 
     def subscribe(self, budget_bytes: int) -> Subscriber:
         sub = Subscriber(budget_bytes)

@@ -14,9 +14,10 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import psutil
 
@@ -37,7 +38,6 @@ from kernelhub.models import (
     FinalEvent,
     InputReplyEvent,
     NoticeEvent,
-    StatusEvent,
 )
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.fanout import SessionFanout
@@ -63,6 +63,7 @@ class LiveSession:
     reason: str | None = None
     clients: dict[str, str] = field(default_factory=dict)  # execution id -> client address
     principals: dict[str, str] = field(default_factory=dict)  # execution id -> principal
+    codes: dict[str, str] = field(default_factory=dict)  # running execution id -> code
 
     @property
     def id(self) -> str:
@@ -147,7 +148,9 @@ class SessionManager:
     ) -> None:
         """Executions the previous process never finished: say what became of them."""
         for e in await self.store.unfinished_executions(live.id):
-            if e.status == ExecutionStatus.QUEUED:
+            # The stored events say whether it had started (statuses are not written to
+            # the row mid-flight: that would cost a transaction per cell).
+            if not await self.store.has_started(e.id):
                 status, reason = (
                     ExecutionStatus.CANCELLED,
                     "the gateway restarted before this cell ran; submit it again",
@@ -295,6 +298,11 @@ class SessionManager:
         )
         return await self.info(principal, stored.id)
 
+    def _spawn(self, coro: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _bind(self, live: LiveSession, kernel: KernelSession) -> None:
         live.kernel = kernel
         kernel.add_listener(lambda event: self._on_event(live, event))
@@ -323,24 +331,21 @@ class SessionManager:
             task = asyncio.create_task(self.store.audit(entry))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        elif isinstance(event, StatusEvent):
-            task = asyncio.create_task(
-                self.store.update_execution(event.execution_id, event.status)
-            )
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
     async def _finished(self, live: LiveSession, record: ExecutionRecord) -> None:
         self.observer.on_final(record)
-        await self.store.update_execution(record.execution_id, record.status, record)
-        stored = await self.store.get_execution(record.execution_id)
-        await self.store.audit(
+        code = live.codes.pop(record.execution_id, None)
+        if code is None:  # adopted after a restart: the code is only in the store
+            stored = await self.store.get_execution(record.execution_id)
+            code = stored.code if stored else None
+        await self.store.finish_execution(
+            record,
             AuditEntry(
                 principal=live.principals.pop(record.execution_id, live.stored.owner),
                 action="execution",
                 session_id=live.id,
                 execution_id=record.execution_id,
-                code=stored.code if stored else None,
+                code=code,
                 status=record.status.value,
                 duration=record.duration,
                 cpu_seconds=record.cpu_seconds,
@@ -350,7 +355,7 @@ class SessionManager:
                 detail={"reason": record.reason, "ended_by": record.ended_by.value}
                 if record.reason
                 else None,
-            )
+            ),
         )
 
     async def _watch(self, live: LiveSession, kernel: KernelSession) -> None:
@@ -475,14 +480,22 @@ class SessionManager:
             created_at=datetime.now(UTC),
             record=None,
         )
-        stored = await self.store.insert_execution(row)
-        if stored.id != row.id:  # a concurrent retry with the same key won the race
-            return stored, kernel.get(stored.id), False
+        if body.idempotency_key is None:
+            # Nothing to check against: record it without waiting (the store's single
+            # thread keeps this insert ahead of every later update of the row).
+            self._spawn(self.store.insert_execution_soon(row))
+        else:
+            stored = await self.store.insert_execution(row)
+            if stored.id != row.id:  # a concurrent retry with the same key won the race
+                return stored, kernel.get(stored.id), False
         live.principals[row.id] = principal.name
+        live.codes[row.id] = body.code
         if client:
             live.clients[row.id] = client
         kwargs = {} if body.timeout is None else {"timeout": body.timeout}
-        handle = await kernel.submit(body.code, execution_id=row.id, **kwargs)
+        handle = await kernel.submit(
+            body.code, execution_id=row.id, keep_events=body.wait, **kwargs
+        )
         return row, handle, True
 
     async def _by_key(self, principal: Principal, key: str) -> StoredExecution | None:

@@ -13,7 +13,7 @@ import hashlib
 import json
 import secrets
 import sqlite3
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -283,6 +283,19 @@ class SqliteStore:
 
     # -- executions --------------------------------------------------------------------
 
+    def insert_execution_soon(self, e: StoredExecution) -> asyncio.Future[list[sqlite3.Row]]:
+        """Queue the insert on the store's thread now, without waiting: every later call
+        runs after it, so readers and updates always find the row."""
+        params = (
+            e.id, e.session_id, e.owner, e.code, e.status.value, e.idempotency_key,
+            e.created_at.isoformat(),
+        )  # fmt: skip
+        sql = (
+            "INSERT INTO executions (id, session_id, owner, code, status, idempotency_key,"
+            " created_at) VALUES (?,?,?,?,?,?,?)"
+        )
+        return asyncio.get_running_loop().run_in_executor(self._pool, self._q, sql, params)
+
     async def insert_execution(self, e: StoredExecution) -> StoredExecution:
         """Insert; if the owner already used the idempotency key, return that execution."""
 
@@ -322,6 +335,21 @@ class SqliteStore:
             (status.value, record.model_dump_json() if record else None, execution_id),
         )
 
+    async def finish_execution(self, record: ExecutionRecord, audit: AuditEntry) -> None:
+        """The final record and its audit entry, in one transaction."""
+
+        def finish() -> None:
+            assert self._db is not None
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.execute(
+                    "UPDATE executions SET status = ?, record = ? WHERE id = ?",
+                    (record.status.value, record.model_dump_json(), record.execution_id),
+                )
+                self._insert_audit(audit)
+
+        await self._run(finish)
+
     async def get_execution(self, execution_id: str) -> StoredExecution | None:
         rows = await self._run(self._q, "SELECT * FROM executions WHERE id = ?", (execution_id,))
         return _execution(rows[0]) if rows else None
@@ -336,47 +364,59 @@ class SqliteStore:
 
     # -- events ------------------------------------------------------------------------
 
-    async def append_events(self, session_id: str, events: list[Event]) -> None:
+    async def append_events(self, session_id: str, events: Sequence[tuple[int, str, str]]) -> None:
+        """Append ``(seq, execution_id, event JSON)`` rows in one transaction."""
+
         def append() -> None:
             assert self._db is not None
             with self._db:
                 self._db.execute("BEGIN")
                 self._db.executemany(
                     "INSERT OR IGNORE INTO events (session_id, seq, execution_id, body) VALUES (?,?,?,?)",
-                    [(session_id, e.seq, e.execution_id, e.model_dump_json()) for e in events],
+                    [(session_id, seq, eid, body) for seq, eid, body in events],
                 )
 
         await self._run(append)
 
     async def events_since(
         self, session_id: str, since: int, limit: int = 1000, max_bytes: int = 4 * 2**20
-    ) -> list[Event]:
-        """The next page of a session's events after ``since``: at most ``limit`` events
-        and about ``max_bytes`` (always at least one), so replay memory stays bounded."""
+    ) -> list[tuple[int, str]]:
+        """The next page of a session's events after ``since`` as ``(seq, JSON)``: at most
+        ``limit`` events and about ``max_bytes`` (always at least one), so replay memory
+        stays bounded and the text goes to clients without a parse/serialize round trip."""
 
-        def page() -> list[str]:
+        def page() -> list[tuple[int, str]]:
             assert self._db is not None
             cur = self._db.execute(
-                "SELECT body FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                "SELECT seq, body FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?",
                 (session_id, since, limit),
             )
-            bodies: list[str] = []
+            rows: list[tuple[int, str]] = []
             size = 0
-            for (body,) in cur:
-                bodies.append(body)
+            for seq, body in cur:
+                rows.append((seq, body))
                 size += len(body)
                 if size >= max_bytes:
                     break
             cur.close()
-            return bodies
+            return rows
 
-        return [_EVENT.validate_json(b) for b in await self._run(page)]
+        return await self._run(page)
 
     async def events_of(self, execution_id: str) -> list[Event]:
         rows = await self._run(
             self._q, "SELECT body FROM events WHERE execution_id = ? ORDER BY seq", (execution_id,)
         )
         return [_EVENT.validate_json(r[0]) for r in rows]
+
+    async def has_started(self, execution_id: str) -> bool:
+        """Whether the execution's events include its ``running`` status."""
+        rows = await self._run(
+            self._q,
+            "SELECT 1 FROM events WHERE execution_id = ? AND body LIKE ? LIMIT 1",
+            (execution_id, '%"type":"status","status":"running"%'),
+        )
+        return bool(rows)
 
     async def last_seq(self, session_id: str) -> int:
         rows = await self._run(
@@ -387,8 +427,10 @@ class SqliteStore:
     # -- audit -------------------------------------------------------------------------
 
     async def audit(self, entry: AuditEntry) -> None:
-        await self._run(
-            self._q,
+        await self._run(self._insert_audit, entry)
+
+    def _insert_audit(self, entry: AuditEntry) -> None:
+        self._q(
             "INSERT INTO audit (at, principal, action, session_id, execution_id, code, status,"
             " duration, cpu_seconds, peak_memory_bytes, output_bytes, client, detail)"
             " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",

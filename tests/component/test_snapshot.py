@@ -199,6 +199,12 @@ async def test_values_and_identity_survive(pair: Pair) -> None:
             "@functools.lru_cache(maxsize=8)\n"
             "def slow(n):\n"
             "    return n * 2",
+            "words = pd.Series([f'w{i}-é-😀' for i in range(5000)] + [None, 'x\\udcff'], dtype=object)\n"
+            "labels = pd.Series([f'label {i}' for i in range(3000)] + [None], dtype='str')\n"
+            "grid2d = np.asfortranarray(np.array([[f'{i},{j}' for j in range(40)] for i in range(50)], dtype=object))\n"
+            "class Tag:\n"
+            "    pass\n"
+            "tagged = {'tag': Tag(), 'names': [f'n{i}' for i in range(10_000)]}\n"
             "fig, ax = plt.subplots()\n"
             "line, = ax.plot([1, 2, 3])\n"
             "plt.close(fig)\n"
@@ -235,6 +241,10 @@ async def test_values_and_identity_survive(pair: Pair) -> None:
             "lru_cache": "slow(4) == 8 and slow.cache_info().maxsize == 8",
             "figure identity": "ax.figure is fig and line.axes is ax and line in ax.lines",
             "aliases": "t is tables['a'] and same is t",
+            "string column": "words.iloc[4999] == 'w4999-é-😀' and words.iloc[5000] is None and words.iloc[5001] == 'x\\udcff' and len(words) == 5002",
+            "str dtype": "str(labels.dtype) == 'str' and labels.iloc[2999] == 'label 2999' and labels.isna().tolist()[-1]",
+            "2-d object array": "grid2d.flags.f_contiguous and grid2d[49, 39] == '49,39' and grid2d.shape == (50, 40)",
+            "big list in a dill group": "isinstance(tagged['tag'], Tag) and tagged['names'][9999] == 'n9999'",
         },
     )
     groups = {tuple(g["names"]): g for g in captured["groups"]}

@@ -1,0 +1,419 @@
+"""Snapshot benchmark: kernelhub's capture/restore vs dill, in one run on the same namespace.
+
+    python bench/snapshot.py [--rows 3000000] [--runs 3] [--out docs/bench-snapshot.md]
+
+A real kernel (the supervisor and ``kernelhub_kernel`` from ``kernel-image/``, as in a
+sandbox) builds a realistic agent namespace: a ~500 MB DataFrame (numbers, a category,
+timestamps, a column of distinct strings), small variables, and functions, classes,
+lambdas, a dataclass and an Enum defined in cells. Inside that kernel, on the same
+objects, we measure:
+
+- ``dill.dumps`` of each variable alone, and of the whole namespace as one dict;
+- a full ``capture`` (median of ``--runs``), and its size;
+- an incremental ``capture`` after a cell that changed one small variable, after a cell
+  that only read the DataFrame, and after one that mutated it (each from the previous);
+- ``restore`` into a fresh kernel (imports included; the import cost is measured alone).
+
+Targets: full capture ≤ 0.3× dill alone; incremental after a small change ≤ 5% of full.
+The snapshot goes to the kernel's TMPDIR; in a sandbox that is a tmpfs, here it may be a
+disk, which makes writes slower than they will be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+
+REPO = Path(__file__).resolve().parents[1]
+KERNEL_IMAGE = REPO / "kernel-image"
+SNAPSHOT = "__import__('kernelhub_kernel.snapshot', fromlist=['capture'])"
+MB = 1e6
+
+NAMESPACE_CELLS = [
+    "import numpy as np\nimport pandas as pd\nimport matplotlib.pyplot as plt\n"
+    "import dataclasses, enum, json",
+    """rng = np.random.default_rng(0)
+n = {rows}
+events = pd.DataFrame({{f"f{{i}}": rng.random(n) for i in range(10)}})
+events["user"] = rng.integers(0, 100_000, n)
+events["kind"] = pd.Categorical(rng.choice(["view", "click", "buy"], n))
+events["label"] = rng.choice([f"item-{{i}}" for i in range(50_000)], n)
+events["ts"] = pd.date_range("2024-01-01", periods=n, freq="s")""",
+    """config = {"source": "events.csv", "threshold": 0.8, "columns": list(events.columns)}
+n_checks = 0
+notes = ["loaded", "cleaned"]
+summary = events.groupby("kind", observed=True)[["f0", "f1"]].mean()
+daily = events.set_index("ts")["f0"].resample("D").mean()
+sample = events.sample(1000, random_state=0)
+weights = rng.random(1000)""",
+    """def clean(frame, threshold=0.8):
+    return frame[frame.f0 < threshold]
+def describe(frame):
+    return {c: float(frame[c].mean()) for c in ["f0", "f1"]}
+score = lambda row: row.f0 * 2 + row.f1
+class Experiment:
+    def __init__(self, name, params):
+        self.name, self.params, self.history = name, params, []
+    def run(self, frame):
+        self.history.append(float(frame.f0.mean() * self.params["alpha"]))
+        return self.history[-1]
+@dataclasses.dataclass(frozen=True)
+class Result:
+    name: str
+    value: float
+class Stage(enum.Enum):
+    LOAD = 1
+    CLEAN = 2
+    MODEL = 3
+stage = Stage.CLEAN
+experiments = [Experiment(f"e{i}", {"alpha": i}) for i in range(5)]
+results = [Result(e.name, e.run(sample)) for e in experiments]
+best = max(results, key=lambda r: r.value)
+fig, ax = plt.subplots()
+ax.plot(daily.values)
+plt.close(fig)""",
+]
+
+# Runs in the kernel, on the namespace's own objects, without binding any name there.
+HELPERS = """
+import time, dill
+
+def user_variables(shell):
+    import types
+    hidden = shell.user_ns_hidden
+    out = {}
+    for name, value in shell.user_ns.items():
+        if name.startswith("_") or name in ("In", "Out", "exit", "quit", "get_ipython", "open"):
+            continue
+        if name in hidden and hidden[name] is value or isinstance(value, types.ModuleType):
+            continue
+        out[name] = value
+    return out
+
+def dill_each(shell):
+    seconds = size = 0
+    for value in user_variables(shell).values():
+        t = time.perf_counter()
+        size += len(dill.dumps(value))
+        seconds += time.perf_counter() - t
+    return {"seconds": seconds, "bytes": size}
+
+def dill_whole(shell):
+    names = user_variables(shell)
+    t = time.perf_counter()
+    size = len(dill.dumps(names))
+    return {"seconds": time.perf_counter() - t, "bytes": size}
+
+def memory(shell):
+    df = shell.user_ns["events"]
+    return {"events_bytes": int(df.memory_usage(deep=True).sum()), "names": len(user_variables(shell))}
+
+def import_cost():
+    t = time.perf_counter()
+    import numpy, pandas, matplotlib.pyplot
+    return {"seconds": time.perf_counter() - t}
+"""
+
+
+class Kernel:
+    """One kernelhub kernel (supervisor + kernelhub_kernel), driven with jupyter_client."""
+
+    def __init__(self, km: AsyncKernelManager, kc: Any, temp: Path) -> None:
+        self.km, self.kc, self.temp = km, kc, temp
+
+    @classmethod
+    async def start(cls, root: Path, name: str) -> Kernel:
+        spec_dir = root / "kernels" / "kernelhub-bench"
+        if not spec_dir.exists():
+            spec_dir.mkdir(parents=True)
+            spec = KernelSpec(
+                argv=[
+                    sys.executable,
+                    "-m",
+                    "kernelhub_kernel.supervisor",
+                    "--connection-file",
+                    "{connection_file}",
+                ],
+                display_name="kernelhub bench",
+                language="python",
+            )
+            (spec_dir / "kernel.json").write_text(spec.to_json())
+        home, temp, workspace = root / f"home-{name}", root / f"tmp-{name}", root / f"ws-{name}"
+        for d in (home, temp, workspace):
+            d.mkdir()
+        env = {k: v for k, v in os.environ.items() if k not in {"IPYTHONDIR", "MPLCONFIGDIR"}}
+        env.update(
+            PYTHONPATH=str(KERNEL_IMAGE),
+            HOME=str(home),
+            TMPDIR=str(temp),
+            KERNELHUB_WORKSPACE=str(workspace),
+            MPLBACKEND="module://matplotlib_inline.backend_inline",
+            MPLCONFIGDIR=str(temp / "mplconfig"),
+        )
+        km = AsyncKernelManager(
+            kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(root / "kernels")]),
+            kernel_name="kernelhub-bench",
+        )
+        km.connection_file = str(root / f"kernel-{name}.json")
+        await km.start_kernel(env=env, cwd=str(workspace))
+        kc = km.client()
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=60)
+        kernel = cls(km, kc, temp)
+        helpers = root / "kh_bench_helpers.py"
+        if not helpers.exists():
+            helpers.write_text(HELPERS)
+        await kernel.call(f"__import__('sys').path.insert(0, {str(root)!r})", "None")
+        return kernel
+
+    async def call(self, code: str, expression: str) -> Any:
+        """Run ``code`` silently, then evaluate ``expression``; returns its JSON value."""
+        msg_id = self.kc.execute(code, silent=True, user_expressions={"r": expression})
+        reply = await self._wait(msg_id)
+        if reply["status"] != "ok":
+            raise RuntimeError(f"{code!r} failed: {reply.get('ename')}: {reply.get('evalue')}")
+        value = reply["user_expressions"]["r"]
+        if value["status"] != "ok":
+            raise RuntimeError(f"{expression!r} failed: {value['ename']}: {value['evalue']}")
+        data = value["data"]
+        if "application/json" in data:
+            return data["application/json"]
+        return ast.literal_eval(data["text/plain"])
+
+    async def run(self, code: str) -> None:
+        """An ordinary cell, as an agent sends it (the tracker sees it)."""
+        reply = await self._wait(self.kc.execute(code))
+        if reply["status"] != "ok":
+            raise RuntimeError(f"cell failed: {reply.get('ename')}: {reply.get('evalue')}")
+
+    async def _wait(self, msg_id: str) -> dict[str, Any]:
+        reply: dict[str, Any] | None = None
+        idle = False
+        while reply is None or not idle:
+            if reply is None:
+                msg = await self.kc.get_shell_msg(timeout=3600)
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    reply = msg["content"]
+            if not idle:
+                msg = await self.kc.get_iopub_msg(timeout=3600)
+                idle = (
+                    msg["parent_header"].get("msg_id") == msg_id
+                    and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "idle"
+                )
+        return reply
+
+    async def snapshot(self, call: str) -> dict[str, Any]:
+        t = time.perf_counter()
+        result: dict[str, Any] = await self.call(f"{SNAPSHOT}.{call}", f"{SNAPSHOT}.last_result()")
+        result["wall"] = time.perf_counter() - t
+        return result
+
+    async def stop(self) -> None:
+        self.kc.stop_channels()
+        await self.km.shutdown_kernel(now=True)
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+async def bench(rows: int, runs: int) -> tuple[list[list[str]], dict[str, Any]]:
+    root = Path(tempfile.mkdtemp(prefix="kh-bench-snapshot-"))
+    kernels: list[Kernel] = []
+    try:
+        a = await Kernel.start(root, "a")
+        kernels.append(a)
+        for cell in NAMESPACE_CELLS:
+            await a.run(cell.format(rows=rows) if "{rows}" in cell else cell)
+        info = await a.call("", "__import__('kh_bench_helpers').memory(get_ipython())")
+        print(f"namespace: {info['names']} variables, events = {info['events_bytes'] / MB:.0f} MB")
+        each = await a.call("", "__import__('kh_bench_helpers').dill_each(get_ipython())")
+        print(f"dill.dumps of each variable: {fmt_s(each['seconds'])}")
+        whole = await a.call("", "__import__('kh_bench_helpers').dill_whole(get_ipython())")
+        print(f"dill.dumps of the namespace: {fmt_s(whole['seconds'])}")
+
+        snaps = a.temp / ".kernelhub"
+        fulls = []
+        for i in range(runs):
+            path = snaps / f"full-{i}"
+            fulls.append(await a.snapshot(f"capture({str(path)!r})"))
+            print(f"full capture {i}: {fmt_s(fulls[-1]['duration'])}")
+            if i < runs - 1:
+                shutil.rmtree(path)
+        full = statistics.median(r["duration"] for r in fulls)
+        last = fulls[-1]
+        base = Path(last["path"])
+
+        async def incremental(cell: str, label: str, count: int) -> list[dict[str, Any]]:
+            nonlocal base
+            out = []
+            for i in range(count):
+                await a.run(cell)
+                path = snaps / f"{label}-{i}"
+                out.append(await a.snapshot(f"capture({str(path)!r}, base={str(base)!r})"))
+                base = path
+                print(f"incremental ({label}) {i}: {fmt_s(out[-1]['duration'])}")
+            return out
+
+        small = await incremental("n_checks += 1", "small", runs)
+        read = await incremental(
+            "by_kind = events.groupby('kind', observed=True).f1.mean()\nprint(events.shape)",
+            "read",
+            runs,
+        )
+        mutate = await incremental("events['f0'] *= 1.0001", "mutate", 1)
+
+        b = await Kernel.start(root, "b")
+        kernels.append(b)
+        moved = b.temp / ".kernelhub" / base.name
+        shutil.copytree(base, moved)  # what the host does with the files
+        restored = await b.snapshot(f"restore({str(moved)!r})")
+        assert not restored["failed"], restored["failed"]
+        check = await b.call(
+            "",
+            "bool(len(events) == n and best in results and isinstance(experiments[0], Experiment)"
+            " and ax.figure is fig and stage is Stage.CLEAN)",
+        )
+        print(f"restore: {fmt_s(restored['duration'])} (checks: {check})")
+        c = await Kernel.start(root, "c")
+        kernels.append(c)
+        imports = await c.call("", "__import__('kh_bench_helpers').import_cost()")
+
+        def median(results: list[dict[str, Any]]) -> float:
+            return statistics.median(r["duration"] for r in results)
+
+        size = last["size_bytes"]
+        table = [
+            ["measurement", "time", "size", "ratio", "target"],
+            [
+                "`dill.dumps` of each variable alone",
+                fmt_s(each["seconds"]),
+                f"{each['bytes'] / MB:.0f} MB",
+                "1.00×",
+                "",
+            ],
+            [
+                "`dill.dumps` of the whole namespace dict",
+                fmt_s(whole["seconds"]),
+                f"{whole['bytes'] / MB:.0f} MB",
+                f"{whole['seconds'] / each['seconds']:.2f}×",
+                "",
+            ],
+            [
+                "full capture (median)",
+                fmt_s(full),
+                f"{size / MB:.0f} MB",
+                f"{full / each['seconds']:.2f}× dill each, {full / whole['seconds']:.2f}× dill whole",
+                "≤ 0.3×",
+            ],
+            [
+                "incremental, one small variable changed (median)",
+                fmt_s(median(small)),
+                f"{statistics.median(r['written_bytes'] for r in small) / 1e3:.0f} kB written",
+                f"{median(small) / full:.1%} of full",
+                "≤ 5%",
+            ],
+            [
+                "incremental, the DataFrame only read (median)",
+                fmt_s(median(read)),
+                f"{statistics.median(r['written_bytes'] for r in read) / 1e3:.0f} kB written",
+                f"{median(read) / full:.1%} of full",
+                "",
+            ],
+            [
+                "incremental, the DataFrame mutated",
+                fmt_s(median(mutate)),
+                f"{mutate[0]['written_bytes'] / MB:.0f} MB written",
+                f"{median(mutate) / full:.0%} of full",
+                "",
+            ],
+            [
+                "restore into a fresh kernel (imports included)",
+                fmt_s(restored["duration"]),
+                "",
+                f"{restored['duration'] / each['seconds']:.2f}× dill each (dump)",
+                "",
+            ],
+            [
+                "of which: import numpy, pandas, matplotlib.pyplot",
+                fmt_s(imports["seconds"]),
+                "",
+                "",
+                "",
+            ],
+        ]
+        details = {
+            "variables": info["names"],
+            "events_mb": info["events_bytes"] / MB,
+            "groups": [(g["names"], g["pickler"], g["size_bytes"]) for g in last["groups"]],
+        }
+        return table, details
+    finally:
+        for kernel in kernels:
+            await kernel.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def markdown(table: list[list[str]], details: dict[str, Any], rows: int, runs: int) -> str:
+    lines = [
+        "# Snapshot benchmark",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()},"
+        f" Python {platform.python_version()}; snapshots written to the kernel's TMPDIR"
+        f" ({tempfile.gettempdir()}, a disk here, a tmpfs in a sandbox).",
+        f"Namespace: {details['variables']} variables, including a {details['events_mb']:.0f} MB DataFrame"
+        f" ({rows:,} rows: 10 float columns, ints, a category, timestamps, {rows:,} distinct strings),"
+        " small frames and containers, and functions, classes, a lambda, a frozen dataclass and an"
+        " Enum defined in cells. Every number is measured inside the same kernel on the same objects;"
+        f" captures are the median of {runs} runs.",
+        f"Generated by `python bench/snapshot.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        "",
+        "| " + " | ".join(table[0]) + " |",
+        "|" + "---|" * len(table[0]),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in table[1:]]
+    lines += [
+        "",
+        "Where the full capture's time goes: the string column (the C pickler memoizes each of the"
+        " distinct strings), then writing and hashing the numeric buffers, which are written"
+        " straight from the arrays' memory (pickle protocol 5, out of band), never copied into a"
+        " pickle. dill pickles every string through Python code, and the buffers in-band.",
+        "",
+        "Groups of the full capture (names, pickler, bytes):",
+        "",
+    ]
+    lines += [
+        f"- {', '.join(names)}: {pickler}, {size:,}" for names, pickler, size in details["groups"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=3_000_000)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", default=str(REPO / "docs" / "bench-snapshot.md"))
+    args = parser.parse_args()
+    table, details = asyncio.run(bench(args.rows, args.runs))
+    text = markdown(table, details, args.rows, args.runs)
+    print()
+    print(text)
+    Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
