@@ -90,6 +90,10 @@ class GatewaySettings(BaseModel):
     )
     max_body_bytes: int = Field(2 * MiB, ge=1024, description="largest JSON request body")
     max_file_bytes: int = Field(100 * MiB, ge=1024, description="largest upload/download")
+    max_snapshot_bytes: int = Field(4 * 1024 * MiB, ge=MiB, description="largest snapshot")
+    snapshot_timeout: float = Field(
+        600.0, gt=0, description="seconds a capture or restore may take"
+    )
     stream_stall_timeout: float = Field(
         30.0, gt=0, description="seconds one frame may wait on a client that stopped reading"
     )

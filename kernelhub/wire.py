@@ -43,6 +43,9 @@ class LimitsIn(_In):
 class SessionCreate(_In):
     limits: LimitsIn = Field(default_factory=LimitsIn)
     metadata: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    from_snapshot: str | None = Field(
+        None, description="restore this snapshot (yours) into the new session's fresh sandbox"
+    )
 
 
 class SessionState(StrEnum):
@@ -64,10 +67,40 @@ class SessionInfo(BaseModel):
     metadata: dict[str, Any]
     last_seq: int = 0
     reason: str | None = None
+    restore: RestoreReport | None = Field(None, description="set when made from a snapshot")
 
 
 class SessionList(BaseModel):
     sessions: list[SessionInfo]
+
+
+class SnapshotInfo(BaseModel):
+    """A stored snapshot. ``saved``/``skipped`` name every variable: what came along, and
+    what could not, with the reason."""
+
+    id: str
+    session_id: str
+    created_at: datetime
+    size_bytes: int
+    duration: float
+    execution_count: int | None = None
+    saved: list[str]
+    skipped: dict[str, str]
+
+
+class SnapshotList(BaseModel):
+    snapshots: list[SnapshotInfo]
+
+
+class RestoreReport(BaseModel):
+    """What a restore brought back into a new session, and what it could not."""
+
+    snapshot_id: str
+    restored: list[str]
+    failed: dict[str, str]
+    skipped: dict[str, str]
+    execution_count: int | None = None
+    duration: float
 
 
 class ExecutionCreate(_In):
@@ -201,3 +234,6 @@ class CloseCode:
     NOT_FOUND = 4404  # no such session, or not yours
     TOO_SLOW = 4408  # the client fell too far behind; reconnect with since=<last seq>
     SESSION_ENDED = 4410
+
+
+SessionInfo.model_rebuild()

@@ -8,6 +8,11 @@ one component at a time with ``O_NOFOLLOW`` beneath ``/workspace``: ``..``, abso
 and any symlink along the way (planted by code in the sandbox) are refused, so the host
 only ever receives bytes of a regular file inside the workspace.
 
+Snapshots travel the same way, as one opaque tar stream the host stores but never opens:
+
+    python -S -m kernelhub_kernel.files pack NAME MAX_BYTES     > tar    (/tmp/.kernelhub/NAME)
+    python -S -m kernelhub_kernel.files unpack NAME MAX_BYTES   < tar
+
 Exit codes: 0 done, 2 bad path, 3 not found, 4 too large, 5 not a regular file / a symlink.
 """
 
@@ -104,6 +109,72 @@ def get(relpath: str, max_bytes: int) -> int:
     return total
 
 
+SNAPSHOTS = os.environ.get("KERNELHUB_SNAPSHOTS", "/tmp/.kernelhub")
+
+
+def _snapshot_dir(name: str) -> str:
+    if not name or "/" in name or name in (".", ".."):
+        raise Refused(2, f"snapshot name {name!r} must be a single path component")
+    return os.path.join(SNAPSHOTS, name)
+
+
+def pack(name: str, max_bytes: int) -> int:
+    """Stream the snapshot directory as a tar (regular files and directories only)."""
+    import tarfile
+
+    root = _snapshot_dir(name)
+    if not os.path.isdir(root):
+        raise Refused(3, f"no snapshot {name!r}")
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            st = os.lstat(os.path.join(dirpath, f))
+            if not stat.S_ISREG(st.st_mode):
+                raise Refused(5, f"snapshot {name!r} holds something other than files")
+            total += st.st_size
+    if total > max_bytes:
+        raise Refused(4, f"snapshot {name!r} is {total} bytes, over the {max_bytes}-byte limit")
+    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(root, arcname=".", recursive=True)
+    return total
+
+
+def unpack(name: str, max_bytes: int) -> int:
+    """Extract a tar from stdin into a new snapshot directory; files and directories only,
+    nothing outside it (the tar came from the host, but the host never looked inside)."""
+    import tarfile
+
+    root = _snapshot_dir(name)
+    os.makedirs(root, mode=0o700)
+    total = 0
+    # Written by hand rather than with extraction filters: the image's Python (3.11.2)
+    # predates them.
+    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
+        for member in tar:
+            parts = [p for p in member.name.split("/") if p not in ("", ".")]
+            if member.name.startswith("/") or any(p == ".." for p in parts):
+                raise Refused(2, f"snapshot member {member.name!r} points outside")
+            if not parts:
+                continue
+            target = os.path.join(root, *parts)
+            if member.isdir():
+                os.makedirs(target, mode=0o700, exist_ok=True)
+                continue
+            if not member.isfile():
+                raise Refused(5, f"snapshot member {member.name!r} is not a file or directory")
+            total += member.size
+            if total > max_bytes:
+                raise Refused(4, f"snapshot is larger than {max_bytes} bytes")
+            os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+            src = tar.extractfile(member)
+            assert src is not None
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                while chunk := src.read(CHUNK):
+                    out.write(chunk)
+    return total
+
+
 def main(argv: list[str]) -> int:
     try:
         verb, relpath, limit = argv
@@ -116,6 +187,10 @@ def main(argv: list[str]) -> int:
             put(relpath, max_bytes)
         elif verb == "get":
             get(relpath, max_bytes)
+        elif verb == "pack":
+            pack(relpath, max_bytes)
+        elif verb == "unpack":
+            unpack(relpath, max_bytes)
         else:
             raise Refused(2, f"unknown verb {verb!r}")
     except Refused as exc:

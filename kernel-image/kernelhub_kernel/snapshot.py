@@ -19,7 +19,9 @@ The reply carries the result as ``user_expressions["snapshot"]["data"]["applicat
 the same way. Both return the dict they publish; a reply with status "error" means
 kernelhub failed (an unwritable directory, a missing manifest), never that user data did:
 user data that cannot travel is reported by name in ``skipped`` (capture) and ``failed``
-(restore), with the reason. No variable disappears without being named.
+(restore), with the reason. No variable disappears without being named. Both results
+carry ``timings`` (seconds per phase) for the host's logs. Nothing else needs calling:
+the first ``capture`` installs the cell tracking (and is always full).
 
 A snapshot directory holds, and the host must move, every file listed in ``files``:
 
@@ -39,13 +41,17 @@ What is kept, and how:
   group is the unit of incremental writing and of failure: an object that cannot be
   loaded takes down its own group only.
 * Data goes through the C pickler, protocol 5, with numpy/pandas buffers out of band
-  (written raw after the pickle, never copied into it). A group that contains code
+  (written raw after the pickle, never copied into it; hashed while written). Large
+  object arrays of strings (pandas string and object columns) travel as one UTF-8 blob
+  instead of millions of memoized pickle strings. A group that contains code
   defined in a cell (functions, classes, lambdas, closures, their instances) goes through
   dill, by value, with the functions' globals bound to the restoring kernel's namespace
   (dill's ``recurse=False``): a restored function sees the names of the namespace it
   lives in, as it did before, and a later ``df = ...`` is visible to it. Every pickle is
   then checked for by-reference ``__main__`` globals, which would only fail in the new
-  kernel.
+  kernel. At restore, members are bound as they load (a later member's rebuilding may
+  look an earlier one up, as the cells did), and a cell-defined ``__init_subclass__``
+  does not run again: what it did (a registry entry) is in the snapshot already.
 * Modules come back by re-import (``np -> numpy``), and so do functions and classes
   imported from modules (``from os.path import join``) and names bound by
   ``from module import name`` to the module's own object.
@@ -53,9 +59,10 @@ What is kept, and how:
   mode, position; never truncated on reopen), locks (held state; an RLock held by the
   kernel's thread comes back held by it, one held by another thread is refused),
   ``logging.Logger`` (level, handlers, filters, propagate), ``functools.lru_cache``
-  wrappers (without their cache), Enums defined in cells (rebuilt through their
-  metaclass), and the kernel's standard streams (as references to the restoring kernel's
-  streams). What cannot be carried is refused, named: sockets, database connections,
+  wrappers (without their cache), Enums and TypeVars defined in cells (rebuilt by
+  value), and the kernel's standard streams (as references to the restoring kernel's
+  streams), this kernel's ``globals()`` and modules' namespaces (as references). What
+  cannot be carried is refused, named: sockets, database connections,
   generators, threads, executors, subprocesses, frames, match and hash objects, and the
   kernel's own internals (shell, kernel, session, ZeroMQ sockets), whatever path leads
   there.
@@ -71,21 +78,26 @@ variable is re-pickled when:
 * it is new, deleted, or bound to another object (``id()`` changed), or
 * a cell since the last capture may have mutated it: the cell's AST assigns to it or to
   one of its attributes/items, calls a method on it (except read-only methods of numpy,
-  pandas and builtin objects), or passes it to a call (except to builtins, display and
-  read-only numpy/pandas/plotting functions); a global name used by a cell-defined
-  function the cell refers to (transitively) counts as mutated, or
-* its group is small (< 1 MiB pickled): small groups are always re-pickled and compared
-  by sha256, which catches what the heuristic misses for them, or
+  pandas and builtin objects), calls it (a cell function's defaults and closure may
+  change), or passes it to a call (except to builtins, display and read-only
+  numpy/pandas/plotting functions); a global name used by a cell-defined function the
+  cell refers to (transitively) counts as mutated, or
+* its group is small (< 1 MiB pickled) and holds data: such groups are re-pickled at
+  every capture and compared by sha256, which catches what the heuristic misses for
+  them (groups of only functions and classes change only in ways the tracker sees), or
 * something ran that we could not read: ``exec``/``eval``/``globals()``, an unknown
   magic, a silent execute that is not ours. Then everything is re-pickled.
 
-What the heuristic can miss (for groups of 1 MiB or more only): mutations made outside
-the cells (background threads, callbacks, timers, asyncio tasks); mutations through a
-reference the cell does not name and that is not shared inside the namespace (an object
-also held by a module attribute, or by a library that keeps it and mutates it later);
-methods named like read-only numpy/pandas methods that mutate anyway; memory shared
-with another object without a Python reference (buffers exported to C code, mmap).
-Pickle itself does not keep numpy views as views: a view comes back as a copy.
+What the heuristic can miss (for groups of 1 MiB or more, and code-only groups): changes
+made outside the cells (background threads, callbacks, timers, asyncio tasks, code the
+host evaluates in ``user_expressions``); mutations through a reference the cell does not
+name and that is not shared inside the namespace (an object also held by a module
+attribute, or by a library that keeps it and mutates it later); methods named like
+read-only numpy/pandas methods that mutate anyway; memory shared without a Python
+reference (an array wrapping another's buffer via C code or mmap, a frame built on a
+numpy array without copying). Pickle itself does not keep numpy views as views: a view
+comes back as a copy. Grouping ignores what pandas' Copy-on-Write shares between frames
+(column arrays, Index objects): a write copies first, so that sharing is invisible.
 """
 
 from __future__ import annotations
@@ -584,10 +596,12 @@ def _classify_name_use(
     if isinstance(parent, ast.Call):
         if parent.func is top:
             usage.called.add(name.id)
-            if not isinstance(top, ast.Name):
-                usage.mutated.add(name.id)  # obj[...]() or obj.attr() handled above
-            elif _is_cell_instance(ns.get(name.id)):
-                usage.mutated.add(name.id)  # a callable object may change itself
+            value = ns.get(name.id)
+            if not isinstance(top, ast.Name) or _is_cell_instance(value):
+                usage.mutated.add(name.id)  # obj[...](), or a callable object
+            elif isinstance(value, types.FunctionType) and value.__globals__ is ns:
+                # Its defaults, attributes and closure cells may change when it runs.
+                usage.mutated.add(name.id)
             return
         # An argument: the callee may mutate it, unless it is known not to.
         usage.called.add(name.id)
@@ -771,14 +785,31 @@ class _Pickled:
     data: bytes
     buffers: list[memoryview]
     pickler: str
+    sha256: str | None = None
 
     @property
     def size(self) -> int:
         return len(self.data) + sum(b.nbytes for b in self.buffers)
 
+    def digest(self) -> str:
+        if self.sha256 is None:
+            digest = hashlib.sha256(self.data)
+            for buffer in self.buffers:
+                digest.update(buffer)
+            self.sha256 = digest.hexdigest()
+        return self.sha256
+
 
 class _Capture:
     """One capture: classify the namespace, group, pickle what changed, write, report."""
+
+    @functools.cached_property
+    def reacher(self) -> _Reacher:
+        return _Reacher(self.shell, self.refs)
+
+    @functools.cached_property
+    def reducers(self) -> dict[bool, _Reducer]:
+        return {mode: _Reducer(self.shell, self.refs, dill_mode=mode) for mode in (False, True)}
 
     def __init__(self, shell: Any, session: _Session, path: str, base: str | None) -> None:
         self.shell = shell
@@ -787,8 +818,6 @@ class _Capture:
         self.base = os.path.abspath(base) if base else None
         self.ns: dict[str, Any] = shell.user_ns
         self.refs = _Refs()
-        self.reacher = _Reacher(shell, self.refs)
-        self.reducers = {mode: _Reducer(shell, self.refs, dill_mode=mode) for mode in (False, True)}
         self.session_key = _session_key(shell)
         self.warnings: list[str] = []
         self.written_bytes = 0
@@ -796,27 +825,36 @@ class _Capture:
         # capture), and the variables that reach a namespace dict (dill maps those).
         self._reach_of: dict[tuple[str, ...], frozenset[int]] = {}
         self._force_dill: set[str] = set()
+        # Set by _dirty: small clean groups (by id), pickled again to compare digests.
+        self._recheck: set[int] = set()
+        self._verified = {g.sha256 for g in session.groups}
 
     def run(self) -> dict[str, Any]:
+        clock = _Clock()
         _prepare_dir(self.path)
         variables, imports, skipped = self._classify()
         incremental, full_reason = self._check_base()
         tracker = self.session.tracker
         dirty = self._dirty(variables, incremental)
+        clock.lap("classify")
         plan = self._plan(variables, dirty, incremental)
+        clock.lap("group")
         groups: list[tuple[_Group, bool]] = []
         for names, reuse in plan:
             if reuse is not None:
-                linked = self._link(reuse)
-                if linked:
+                if id(reuse) not in self._recheck and self._link(reuse):
                     groups.append((reuse, True))
                     continue
                 names = [n for n in variables if n in set(reuse.names)]
+                if reuse.reach is not None:
+                    self._reach_of[tuple(names)] = reuse.reach
             written, failures = self._write_group(names, variables)
             skipped.update(failures)
             if written is not None:
                 groups.append(written)
+        clock.lap("pickle_and_write")
         workspace = self._workspace(incremental)
+        clock.lap("workspace")
         snapshot_id = uuid.uuid4().hex
         manifest = {
             "format": FORMAT,
@@ -869,6 +907,7 @@ class _Capture:
             "workspace": workspace,
             "files": files,
             "warnings": self.warnings,
+            "timings": clock.laps,
         }
 
     # --- what to save -------------------------------------------------------------------
@@ -945,12 +984,15 @@ class _Capture:
         dirty.update(n for n, v in variables.items() if ids.get(n) != id(v))
         for group in self.session.groups:
             members = [n for n in group.names if n in variables]
-            if (
-                group.size_bytes < SMALL_GROUP_BYTES
-                or len(members) != len(group.names)
-                or dirty.intersection(members)
-            ):
+            if len(members) != len(group.names) or dirty.intersection(members):
                 dirty.update(members)
+            elif group.size_bytes < SMALL_GROUP_BYTES and not all(
+                _is_code(variables[n]) for n in members
+            ):
+                # Not seen changing, but cheap to check: pickled again, and reused if
+                # the digest did not change (its grouping is kept: see _plan). Code
+                # (functions, classes) changes only in ways the tracker sees.
+                self._recheck.add(id(group))
         return dirty
 
     def _plan(
@@ -1065,7 +1107,9 @@ class _Capture:
                 pending.pop(exc.index)
                 use_dill = bool(self._force_dill.intersection(pending))
                 continue
-            problems = self._verify(pickled.data)
+            # A pickle identical to one written before was verified then.
+            known = pickled.size < _PARALLEL_HASH_BYTES and pickled.digest() in self._verified
+            problems = [] if known else self._verify(pickled.data)
             if problems:
                 bad = self._attribute_problems(pending, variables, use_dill)
                 if not bad:
@@ -1157,10 +1201,7 @@ class _Capture:
 
             writer = threading.Thread(target=write, name="kernelhub-snapshot-write")
             writer.start()
-        digest = hashlib.sha256()
-        for part in parts:
-            digest.update(part)
-        sha = digest.hexdigest()
+        sha = pickled.digest()
         if writer is not None:
             writer.join()
             if write_error:
@@ -1222,6 +1263,10 @@ class _Capture:
             "skipped": skipped + more_skipped,
             "reused": False,
         }
+
+
+def _is_code(value: Any) -> bool:
+    return isinstance(value, (type, types.FunctionType, functools._lru_cache_wrapper))
 
 
 def _prepare_dir(path: str) -> None:
@@ -2292,6 +2337,7 @@ class _Restore:
         self.with_workspace = workspace
 
     def run(self) -> dict[str, Any]:
+        clock = _Clock()
         manifest = _read_manifest(self.path)
         ns = self.shell.user_ns
         failed: dict[str, str] = {}
@@ -2299,6 +2345,7 @@ class _Restore:
         workspace = None
         if self.with_workspace and manifest.get("workspace"):
             workspace = _extract_workspace(self.path, manifest["workspace"])
+        clock.lap("workspace")
         imported: list[str] = []
         for name, spec in manifest["imports"].items():
             attr = spec.get("attr") or ""
@@ -2313,6 +2360,7 @@ class _Restore:
             imported.append(name)
             if attr and "." not in attr:
                 self.session.tracker.from_imports[name] = (spec["module"], attr)
+        clock.lap("imports")
         adopted: list[_Group] = []
         for entry in manifest["groups"]:
             values, failures = self._load_group(entry)
@@ -2330,6 +2378,7 @@ class _Restore:
                         buffers=[int(b) for b in entry["buffers"]],
                     )
                 )
+        clock.lap("groups")
         self.shell.execution_count = int(manifest["execution_count"])
         # The next capture may use this directory as its base.
         self.session.snapshot_id = manifest["snapshot_id"]
@@ -2347,15 +2396,30 @@ class _Restore:
             "skipped": manifest.get("skipped", {}),
             "execution_count": self.shell.execution_count,
             "workspace": workspace,
+            "timings": clock.laps,
         }
 
     def _load_group(self, entry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         names: list[str] = list(entry["names"])
         try:
-            data, buffers = _read_group_file(self.path, entry)
+            data, buffers, digest = _read_group_file(self.path, entry)
         except Exception as exc:
             reason = f"group file {entry.get('file')!r} unusable: {exc}"
             return {}, dict.fromkeys(names, reason)
+        values, failures = self._unpickle(entry, names, data, buffers)
+        try:
+            digest.check()
+        except ValueError as exc:
+            ns = self.shell.user_ns
+            for name in values:
+                ns.pop(name, None)
+            reason = f"group file {entry.get('file')!r} unusable: {exc}"
+            return {}, dict.fromkeys(names, reason)
+        return values, failures
+
+    def _unpickle(
+        self, entry: dict[str, Any], names: list[str], data: bytes, buffers: list[bytearray]
+    ) -> tuple[dict[str, Any], dict[str, str]]:
         stream = io.BytesIO(data)
         if entry["pickler"] == "dill":
             unpickler: Any = _dill_unpickler_class()(stream, buffers=iter(buffers), ignore=True)
@@ -2394,18 +2458,23 @@ def _read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-def _read_group_file(path: str, entry: dict[str, Any]) -> tuple[bytes, list[bytearray]]:
-    """The pickle and its buffers, checked against the manifest's size and sha256."""
+def _read_group_file(path: str, entry: dict[str, Any]) -> tuple[bytes, list[bytearray], _Digest]:
+    """The pickle and its buffers, and the check of their sha256 against the manifest.
+
+    A large file is hashed from its own file descriptor in a thread, while it is read and
+    unpickled here (both release the GIL): ``_Digest.check`` waits for it.
+    """
     name = entry["file"]
     if not isinstance(name, str) or not _GROUP_FILE.fullmatch(name):
         raise ValueError("not a group file name")
     pickle_bytes = int(entry["pickle_bytes"])
     lengths = [int(n) for n in entry["buffers"]]
-    digest = hashlib.sha256()
-    with open(os.path.join(path, name), "rb") as f:
+    file_path = os.path.join(path, name)
+    with open(file_path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size != pickle_bytes + sum(lengths):
             raise ValueError(f"{size} bytes, the manifest says {pickle_bytes + sum(lengths)}")
+        digest = _Digest(entry["sha256"], file_path if size >= _PARALLEL_HASH_BYTES else None)
         data = f.read(pickle_bytes)
         digest.update(data)
         buffers = []
@@ -2420,9 +2489,37 @@ def _read_group_file(path: str, entry: dict[str, Any]) -> tuple[bytes, list[byte
                 done += n
             digest.update(buffer)
             buffers.append(buffer)
-    if digest.hexdigest() != entry["sha256"]:
-        raise ValueError("content does not match its sha256 (corrupted or altered)")
-    return data, buffers
+    return data, buffers, digest
+
+
+class _Digest:
+    """sha256 of a group file: computed inline for a small one, in a thread for a large
+    one (from the file, not from the buffers the unpickled objects now own)."""
+
+    def __init__(self, expected: str, path: str | None) -> None:
+        self._expected = expected
+        self._hash = hashlib.sha256()
+        self._thread: threading.Thread | None = None
+        if path is not None:
+            self._thread = threading.Thread(
+                target=self._hash_file, args=(path,), name="kernelhub-snapshot-hash"
+            )
+            self._thread.start()
+
+    def _hash_file(self, path: str) -> None:
+        with open(path, "rb") as f:
+            while chunk := f.read(_COPY_CHUNK * 4):
+                self._hash.update(chunk)
+
+    def update(self, data: bytes | bytearray) -> None:
+        if self._thread is None:
+            self._hash.update(data)
+
+    def check(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self._hash.hexdigest() != self._expected:
+            raise ValueError("content does not match its sha256 (corrupted or altered)")
 
 
 # --------------------------------------------------------------------------------------
@@ -2550,6 +2647,17 @@ def _extract_workspace(path: str, entry: dict[str, Any]) -> dict[str, Any]:
         if member.name.startswith("/") or ".." in member.name.split("/"):
             refused.append({"path": member.name, "reason": "absolute path or '..'"})
             return None
+        if not hasattr(tarfile, "data_filter"):
+            # The image's Python (3.11.2) predates extraction filters: the same rules,
+            # by hand. Regular files and directories only; links are refused.
+            if not (member.isfile() or member.isdir()):
+                refused.append({"path": member.name, "reason": "not a regular file or directory"})
+                return None
+            member.mode = (member.mode or 0o600) & 0o755
+            member.uid = member.gid = 0
+            member.uname = member.gname = ""
+            files += member.isfile()
+            return member
         try:
             safe = tarfile.data_filter(member, dest)
         except tarfile.FilterError as exc:
@@ -2559,8 +2667,27 @@ def _extract_workspace(path: str, entry: dict[str, Any]) -> dict[str, Any]:
         return safe
 
     with tarfile.open(os.path.join(path, WORKSPACE_TAR)) as tar:
-        tar.extractall(root, filter=only_safe)
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(root, filter=only_safe)
+        else:
+            for member in tar:
+                kept = only_safe(member, root)
+                if kept is not None:
+                    tar.extract(kept, root, set_attrs=False)
     return {"root": root, "files": files, "refused": refused}
+
+
+class _Clock:
+    """Seconds spent in each phase, reported as ``timings`` (for the host's logs)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
 
 
 @contextlib.contextmanager

@@ -78,6 +78,7 @@ from kernelhub.wire import (
     SessionCreate,
     SessionInfo,
     SessionList,
+    SnapshotInfo,
 )
 
 __all__ = ["AsyncHub", "AsyncSession", "FileInfo"]
@@ -281,9 +282,14 @@ class AsyncHub:
         self,
         limits: LimitsIn | dict[str, Any] | None = None,
         metadata: dict[str, str | int | float | bool | None] | None = None,
+        from_snapshot: str | None = None,
     ) -> AsyncSession:
-        """Start a new kernel. ``limits`` are capped by the operator's maxima."""
-        body = _build(SessionCreate, limits=limits or {}, metadata=metadata or {})
+        """Start a new kernel. ``limits`` are capped by the operator's maxima. With
+        ``from_snapshot`` (one of yours) the new kernel starts with that snapshot's
+        variables and files; ``session.last_info.restore`` says what came back."""
+        body = _build(
+            SessionCreate, limits=limits or {}, metadata=metadata or {}, from_snapshot=from_snapshot
+        )
         response = await self._send(
             "POST", "/v1/sessions", json=body.model_dump(mode="json", exclude_none=True)
         )
@@ -518,6 +524,12 @@ class AsyncSession:
     async def interrupt(self, execution_id: str) -> None:
         """Send KeyboardInterrupt to a running execution; variables are kept."""
         await self.hub._send("POST", f"/v1/executions/{quote(execution_id, safe='')}/interrupt")
+
+    async def snapshot(self) -> SnapshotInfo:
+        """Capture the variables and /workspace files (inside the sandbox); returns what
+        was saved and, by name with the reason, what was not."""
+        response = await self.hub._send("POST", f"/v1/sessions/{quote(self.id, safe='')}/snapshots")
+        return _parse(SnapshotInfo, response)
 
     async def pause(self) -> SessionInfo:
         """Freeze the whole sandbox: no CPU, the running cell shows ``paused`` and its

@@ -280,6 +280,7 @@ class Session(_Twin[AsyncSession]):
     wait = _forward(AsyncSession.wait)
     interrupt = _forward(AsyncSession.interrupt)
     pause = _forward(AsyncSession.pause)
+    snapshot = _forward(AsyncSession.snapshot)
     resume = _forward(AsyncSession.resume)
     cancel = _forward(AsyncSession.cancel)
     send_input = _forward(AsyncSession.send_input)

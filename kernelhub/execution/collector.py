@@ -55,6 +55,7 @@ class OutputCollector:
         self.reply_status: str | None = None
         self.execution_count: int | None = None
         self.error: CellError | None = None
+        self.user_expressions: dict[str, Any] = {}
         self._truncation_announced = False
 
     @property
@@ -178,6 +179,9 @@ class OutputCollector:
             if self.reply_status == "error" and self.error is None:
                 # Some kernels only report the error in the reply; keep it as data.
                 self.error = _cell_error(content)
+            expressions = content.get("user_expressions")
+            if isinstance(expressions, Mapping):
+                self.user_expressions = dict(expressions)
             return []
 
         if msg_type == "input_request":

@@ -78,9 +78,19 @@ class ExecutionHandle:
     keeps running and its events keep being recorded."""
 
     def __init__(
-        self, execution_id: str, code: str, timeout: float | None, *, keep_events: bool = True
+        self,
+        execution_id: str,
+        code: str,
+        timeout: float | None,
+        *,
+        keep_events: bool = True,
+        internal: dict[str, str] | None = None,
     ) -> None:
         self.keep_events = keep_events
+        # kernelhub's own code (snapshots): run silently, outside history, its events
+        # never reach listeners; ``internal`` holds the user_expressions to evaluate.
+        self.internal = internal
+        self.user_expressions: dict[str, Any] = {}
         self.id = execution_id
         self.code = code
         self.timeout = timeout
@@ -471,6 +481,29 @@ class KernelSession:
         with contextlib.suppress(KernelhubError):
             self.send_input("\x04", answered_by="deadline")
 
+    async def call(
+        self, code: str, expressions: dict[str, str], *, timeout: float | None
+    ) -> dict[str, Any]:
+        """Run kernelhub's own ``code`` in the kernel, in turn after the cells queued before
+        it, silently (no execution count, no history, no events to listeners), and return
+        the kernel's answers for ``expressions`` (Jupyter ``user_expressions``). Raises
+        ``KernelError`` if the code failed (with the kernel's traceback)."""
+        self._check_open()
+        if self._paused:
+            raise SessionError("the session is paused; resume it first")
+        handle = ExecutionHandle(uuid.uuid4().hex, code, timeout, internal=dict(expressions))
+        self._handles[handle.id] = handle
+        if self._exit is not None:
+            raise KernelDiedError(self._exit.reason)
+        self._queue.put_nowait(handle)
+        result = await handle.wait()
+        if result.record.status != ExecutionStatus.COMPLETED:
+            detail = result.record.error or result.record.reason
+            raise KernelError(
+                f"kernelhub's call in the kernel ended {result.record.status.value}: {detail}"
+            )
+        return handle.user_expressions
+
     def get(self, execution_id: str) -> ExecutionHandle | None:
         return self._handles.get(execution_id)
 
@@ -492,6 +525,12 @@ class KernelSession:
         return self._seq
 
     def _emit(self, handle: ExecutionHandle | None, event: Event) -> None:
+        if handle is not None and handle.internal is not None:
+            if handle.record is None:
+                handle._emit(event)
+                if isinstance(event, FinalEvent):
+                    self._handles.pop(handle.id, None)
+            return
         if handle is not None and handle.record is None:
             handle._emit(event)
             if isinstance(event, FinalEvent):
@@ -724,7 +763,13 @@ class KernelSession:
         before = self.sandbox.usage()
         handle.started_at = _now()
         started = time.monotonic()
-        msg_id = self._client.execute(handle.code, allow_stdin=True, stop_on_error=False)
+        if handle.internal is not None:
+            msg_id = self._client.execute(
+                handle.code, silent=True, store_history=False,
+                user_expressions=handle.internal, allow_stdin=False, stop_on_error=False,
+            )  # fmt: skip
+        else:
+            msg_id = self._client.execute(handle.code, allow_stdin=True, stop_on_error=False)
         collector = OutputCollector(
             handle.id, msg_id, limit_bytes=self.limits.output_bytes, next_seq=self._next_seq
         )
@@ -780,6 +825,7 @@ class KernelSession:
                 status = ExecutionStatus.FAILED
         elif status == ExecutionStatus.KERNEL_DIED and self._exit is not None:
             reason = self._exit.reason
+        handle.user_expressions = collector.user_expressions
         for event in collector.finish():
             self._emit(handle, event)
         cpu = (

@@ -21,6 +21,8 @@ from kernelhub.wire import (
     SessionCreate,
     SessionInfo,
     SessionList,
+    SnapshotInfo,
+    SnapshotList,
 )
 
 router = APIRouter()
@@ -87,6 +89,26 @@ async def delete_session(session_id: str, request: Request, caller: Caller) -> R
     return Response(status_code=204)
 
 
+@router.post(
+    "/v1/sessions/{session_id}/snapshots", status_code=201, responses=ERRORS, tags=["snapshots"]
+)
+async def create_snapshot(session_id: str, request: Request, caller: Caller) -> SnapshotInfo:
+    """Dump the namespace (and /workspace) inside the sandbox; stored as an opaque blob.
+    Restore with ``POST /v1/sessions {"from_snapshot": id}``."""
+    return await manager(request).snapshot(caller, session_id, client_address(request))
+
+
+@router.get("/v1/snapshots", responses=ERRORS, tags=["snapshots"])
+async def list_snapshots(request: Request, caller: Caller) -> SnapshotList:
+    return SnapshotList(snapshots=await manager(request).snapshots(caller))
+
+
+@router.delete("/v1/snapshots/{snapshot_id}", status_code=204, responses=ERRORS, tags=["snapshots"])
+async def delete_snapshot(snapshot_id: str, request: Request, caller: Caller) -> Response:
+    await manager(request).delete_snapshot(caller, snapshot_id)
+    return Response(status_code=204)
+
+
 @router.post("/v1/sessions/{session_id}/pause", responses=ERRORS, tags=["sessions"])
 async def pause_session(session_id: str, request: Request, caller: Caller) -> SessionInfo:
     """Freeze the sandbox (cgroup freezer). While paused, execute, interrupt and snapshot
@@ -116,6 +138,7 @@ async def create_execution(
     if body.wait and handle is not None:
         # The cell keeps running if this client goes away; only the wait is abandoned.
         done = await asyncio.shield(handle.wait())
+        await m.settled(row.id)  # durable before we answer
     if done is not None and created:
         # Straight from memory: this request asked to wait, so its handle kept the events.
         row = row.model_copy(update={"status": done.record.status, "record": done.record})

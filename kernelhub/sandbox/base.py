@@ -118,15 +118,34 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def resume(self) -> None: ...
 
-    @abc.abstractmethod
     async def write_file(self, path: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
         """Write ``chunks`` to ``/workspace/<path>`` (parents created); returns the size.
         Refuses ``..``, absolute paths and symlinks with ``InvalidRequestError``."""
+        return await self._stream_in("put", path, chunks, max_bytes)
 
-    @abc.abstractmethod
     def read_file(self, path: str, max_bytes: int) -> AsyncIterator[bytes]:
         """Stream ``/workspace/<path>``; ``NotFoundError`` if missing, ``TooLargeError``
         over ``max_bytes``; never follows a symlink."""
+        return self._stream_out("get", path, max_bytes)
+
+    def pack_snapshot(self, name: str, max_bytes: int) -> AsyncIterator[bytes]:
+        """Stream the snapshot directory ``name`` the kernel wrote, as an opaque tar."""
+        return self._stream_out("pack", name, max_bytes)
+
+    async def unpack_snapshot(self, name: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        """Put an opaque snapshot tar back into the sandbox as directory ``name``."""
+        return await self._stream_in("unpack", name, chunks, max_bytes)
+
+    @abc.abstractmethod
+    async def _stream_in(
+        self, verb: str, arg: str, chunks: AsyncIterator[bytes], max_bytes: int
+    ) -> int:
+        """Run ``kernelhub_kernel.files <verb> <arg>`` in the sandbox, feeding it ``chunks``."""
+
+    @abc.abstractmethod
+    def _stream_out(self, verb: str, arg: str, max_bytes: int) -> AsyncIterator[bytes]:
+        """Run ``kernelhub_kernel.files <verb> <arg>`` in the sandbox, streaming its output;
+        its refusal (bad path, missing, too large) raises once the output ends."""
 
     async def log_tail(self, lines: int = 30) -> str:
         """The last lines the sandbox wrote outside the kernel protocol (diagnostics)."""

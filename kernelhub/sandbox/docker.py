@@ -335,7 +335,7 @@ class DockerSandbox(Sandbox):
         api = self.backend.client.api
         exec_id = (await self.backend.call(
             api.exec_create, self.container.id, [KERNEL_PYTHON, *FILES_MODULE, verb, path, str(max_bytes)],
-            stdin=verb == "put", stdout=True, stderr=True, user=f"{SANDBOX_UID}:{SANDBOX_GID}",
+            stdin=verb in ("put", "unpack"), stdout=True, stderr=True, user=f"{SANDBOX_UID}:{SANDBOX_GID}",
             workdir=WORKSPACE,
         ))["Id"]  # fmt: skip
         raw = await self.backend.call(api.exec_start, exec_id, socket=True)
@@ -367,8 +367,10 @@ class DockerSandbox(Sandbox):
         if error is not None:
             raise error
 
-    async def write_file(self, path: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
-        exec_id, (reader, writer) = await self._exec_files("put", path, max_bytes)
+    async def _stream_in(
+        self, verb: str, arg: str, chunks: AsyncIterator[bytes], max_bytes: int
+    ) -> int:
+        exec_id, (reader, writer) = await self._exec_files(verb, arg, max_bytes)
 
         async def write(chunk: bytes) -> None:
             writer.write(chunk)
@@ -383,8 +385,8 @@ class DockerSandbox(Sandbox):
             writer.close()
         return total
 
-    async def read_file(self, path: str, max_bytes: int) -> AsyncIterator[bytes]:
-        exec_id, (reader, writer) = await self._exec_files("get", path, max_bytes)
+    async def _stream_out(self, verb: str, arg: str, max_bytes: int) -> AsyncIterator[bytes]:
+        exec_id, (reader, writer) = await self._exec_files(verb, arg, max_bytes)
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=16)
 
         async def sink(payload: bytes) -> None:

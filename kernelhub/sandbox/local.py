@@ -139,6 +139,10 @@ class LocalSandbox(Sandbox):
         )
         self._workspace = self.session_dir.root / "workspace"
         self._workspace.mkdir(mode=0o700)
+        # Where the kernel writes snapshots (its /tmp/.kernelhub); on the host so that
+        # the files program, run here, can pack and unpack them.
+        self._snapshots = self.session_dir.root / "snapshots"
+        self._snapshots.mkdir(mode=0o700)
         backend._live.add(spec.session_id)
 
     @property
@@ -160,6 +164,9 @@ class LocalSandbox(Sandbox):
             "MPLCONFIGDIR": f"{tmp}/.matplotlib",
             "IPYTHONDIR": f"{tmp}/.ipython",
             "KERNELHUB_SESSION": self.spec.session_id,
+            "KERNELHUB_SNAPSHOTS": "/tmp/.kernelhub"
+            if not self.backend.unisolated
+            else str(self._snapshots),
         }
 
     async def start(self) -> None:
@@ -227,6 +234,7 @@ class LocalSandbox(Sandbox):
             "--dev", "/dev",
             "--tmpfs", "/tmp",
             "--bind", str(self._workspace), WORKSPACE,
+            "--bind", str(self._snapshots), "/tmp/.kernelhub",
             "--bind", str(self.session_dir.ipc_dir), IPC_DIR,
             "--ro-bind", str(self.session_dir.connection_file), CONNECTION_FILE,
             "--chdir", WORKSPACE,
@@ -332,14 +340,20 @@ class LocalSandbox(Sandbox):
         # container walks it beneath the workspace root, refusing symlinks.
         return await asyncio.create_subprocess_exec(
             sys.executable, *FILES_MODULE, verb, path, str(max_bytes),
-            env={"PYTHONPATH": str(kernel_image_dir()), "KERNELHUB_WORKSPACE": str(self._workspace)},
-            stdin=asyncio.subprocess.PIPE if verb == "put" else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE if verb == "get" else asyncio.subprocess.DEVNULL,
+            env={
+                "PYTHONPATH": str(kernel_image_dir()),
+                "KERNELHUB_WORKSPACE": str(self._workspace),
+                "KERNELHUB_SNAPSHOTS": str(self._snapshots),
+            },
+            stdin=asyncio.subprocess.PIPE if verb in ("put", "unpack") else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE if verb in ("get", "pack") else asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
 
-    async def write_file(self, path: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
-        proc = await self._files("put", path, max_bytes)
+    async def _stream_in(
+        self, verb: str, arg: str, chunks: AsyncIterator[bytes], max_bytes: int
+    ) -> int:
+        proc = await self._files(verb, arg, max_bytes)
         assert proc.stdin is not None and proc.stderr is not None
 
         async def write(chunk: bytes) -> None:
@@ -360,8 +374,8 @@ class LocalSandbox(Sandbox):
             raise error
         return total
 
-    async def read_file(self, path: str, max_bytes: int) -> AsyncIterator[bytes]:
-        proc = await self._files("get", path, max_bytes)
+    async def _stream_out(self, verb: str, arg: str, max_bytes: int) -> AsyncIterator[bytes]:
+        proc = await self._files(verb, arg, max_bytes)
         assert proc.stdout is not None and proc.stderr is not None
         try:
             while chunk := await proc.stdout.read(65536):

@@ -2,7 +2,9 @@
 subscriber (WebSocket clients), without letting a slow subscriber grow memory.
 
 Each event is serialized to JSON once, here; the store keeps that text and the WebSocket
-sends it as is.
+sends it as is. Events reach subscribers only after the store has committed them: anything
+a client has seen survives a gateway crash (``kill -9``), and replay after a reconnect
+serves exactly what live clients saw.
 
 A subscriber has a byte budget. If it falls further behind than that, its buffer is dropped
 and it is marked ``overflowed``; its reader catches up from the store and re-arms it. Nothing
@@ -97,8 +99,6 @@ class SessionFanout:
         self._pending.append(item)
         self._published_seq = max(self._published_seq, event.seq)
         self._wake.set()
-        for sub in self.subscribers:
-            sub.offer(item)
 
     def subscribe(self, budget_bytes: int) -> Subscriber:
         sub = Subscriber(budget_bytes)
@@ -135,6 +135,9 @@ class SessionFanout:
                     await asyncio.sleep(0.5)
                     continue
                 self._flushed_seq = max(self._flushed_seq, batch[-1].seq)
+                for item in batch:
+                    for sub in self.subscribers:
+                        sub.offer(item)
             still = []
             for target, fut in self._flush_waiters:
                 if self._flushed_seq >= target:

@@ -41,14 +41,25 @@ from kernelhub.models import (
 )
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.fanout import SessionFanout
+from kernelhub.snapshot import calls
+from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store.sqlite import (
     AuditEntry,
     Principal,
     SqliteStore,
     StoredExecution,
     StoredSession,
+    StoredSnapshot,
 )
-from kernelhub.wire import ExecutionCreate, LimitsIn, SessionCreate, SessionInfo, SessionState
+from kernelhub.wire import (
+    ExecutionCreate,
+    LimitsIn,
+    RestoreReport,
+    SessionCreate,
+    SessionInfo,
+    SessionState,
+    SnapshotInfo,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +106,8 @@ class SessionManager:
         self.observer = observer or Observer()
         self.sessions: dict[str, LiveSession] = {}
         self._recent_records: OrderedDict[str, ExecutionRecord] = OrderedDict()
+        self._settled: dict[str, asyncio.Future[None]] = {}
+        self.blobs = BlobStore(settings.data_dir)
         self._tasks: set[asyncio.Task[None]] = set()
         budget = settings.gateway.memory_budget_bytes
         self.memory_budget = (
@@ -284,6 +297,13 @@ class SessionManager:
             raise
         self.observer.on_start(time.monotonic() - t0)
         self._bind(live, kernel)
+        report = None
+        if body.from_snapshot is not None:
+            try:
+                report = await self._restore_into(principal, live, kernel, body.from_snapshot)
+            except BaseException:
+                await self.delete(principal, stored.id, client)
+                raise
         live.state = SessionState.READY
         await self.store.update_session(stored.id, state=live.state.value)
         await self.store.audit(
@@ -296,7 +316,8 @@ class SessionManager:
                 duration=time.monotonic() - t0,
             )
         )
-        return await self.info(principal, stored.id)
+        info = await self.info(principal, stored.id)
+        return info.model_copy(update={"restore": report}) if report else info
 
     def _spawn(self, coro: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -313,6 +334,7 @@ class SessionManager:
     def _on_event(self, live: LiveSession, event: Event) -> None:
         live.fanout.publish(event)
         if isinstance(event, FinalEvent):
+            self._settled[event.execution_id] = asyncio.get_running_loop().create_future()
             self._recent_records[event.execution_id] = event.record
             while len(self._recent_records) > 1024:
                 self._recent_records.popitem(last=False)
@@ -333,7 +355,23 @@ class SessionManager:
             task.add_done_callback(self._tasks.discard)
 
     async def _finished(self, live: LiveSession, record: ExecutionRecord) -> None:
+        try:
+            await self._persist_final(live, record)
+        finally:
+            settled = self._settled.pop(record.execution_id, None)
+            if settled is not None and not settled.done():
+                settled.set_result(None)
+
+    async def settled(self, execution_id: str) -> None:
+        """Wait until a finished execution's events and record are committed to the store
+        (so an answer given now survives a crash of the gateway)."""
+        fut = self._settled.get(execution_id)
+        if fut is not None:
+            await asyncio.shield(fut)
+
+    async def _persist_final(self, live: LiveSession, record: ExecutionRecord) -> None:
         self.observer.on_final(record)
+        await live.fanout.flush()
         code = live.codes.pop(record.execution_id, None)
         if code is None:  # adopted after a restart: the code is only in the store
             stored = await self.store.get_execution(record.execution_id)
@@ -588,6 +626,109 @@ class SessionManager:
             raise SessionError(f"execution {execution_id} is not waiting for input")
         kernel.send_input(value, answered_by=principal.name)  # audited from its event
 
+    # -- snapshots ---------------------------------------------------------------------
+
+    async def snapshot(
+        self, principal: Principal, session_id: str, client: str | None = None
+    ) -> SnapshotInfo:
+        """Capture the namespace and /workspace inside the sandbox, move the result out as
+        an opaque blob, bind it to its owner with a MAC. The host never opens it."""
+        live = self._get(principal, session_id)
+        kernel = self._kernel(live)
+        name = f"snap-{uuid.uuid4().hex[:12]}"
+        timeout = self.settings.gateway.snapshot_timeout
+        t0 = time.monotonic()
+        result = calls.result(await kernel.call(calls.capture(name), calls.RESULT, timeout=timeout))
+        snapshot_id = uuid.uuid4().hex[:16]
+        limit = self.settings.gateway.max_snapshot_bytes
+        try:
+            size, sha256 = await self.blobs.write(
+                snapshot_id, kernel.sandbox.pack_snapshot(name, limit), limit
+            )
+        finally:
+            with contextlib.suppress(KernelhubError):
+                await kernel.call(calls.remove(name), {}, timeout=timeout)
+        metadata = {
+            "duration": time.monotonic() - t0,
+            "execution_count": result.get("execution_count"),
+            "saved": list(result.get("saved", [])),
+            "skipped": {str(k): str(v) for k, v in dict(result.get("skipped", {})).items()},
+            "kernel": {"size_bytes": result.get("size_bytes"), "timings": result.get("timings")},
+        }
+        stored = StoredSnapshot(
+            id=snapshot_id,
+            session_id=session_id,
+            owner=live.stored.owner,
+            created_at=datetime.now(UTC),
+            size=size,
+            sha256=sha256,
+            mac=self.blobs.mac(snapshot_id, live.stored.owner, sha256),
+            metadata=metadata,
+        )
+        await self.store.insert_snapshot(stored)
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="snapshot.create",
+                session_id=session_id,
+                client=client,
+                duration=metadata["duration"],
+                detail={"snapshot": snapshot_id, "bytes": size, "skipped": metadata["skipped"]},
+            )
+        )
+        return _snapshot_info(stored)
+
+    async def snapshots(self, principal: Principal) -> list[SnapshotInfo]:
+        return [_snapshot_info(s) for s in await self.store.list_snapshots(principal.name)]
+
+    async def get_snapshot(self, principal: Principal, snapshot_id: str) -> StoredSnapshot:
+        snap = await self.store.get_snapshot(snapshot_id)
+        if snap is None or snap.owner != principal.name:
+            raise NotFoundError(f"no snapshot {snapshot_id!r} (or it is not yours)")
+        return snap
+
+    async def delete_snapshot(self, principal: Principal, snapshot_id: str) -> None:
+        snap = await self.get_snapshot(principal, snapshot_id)
+        await self.store.delete_snapshot(snap.id)
+        self.blobs.remove(snap.id)
+
+    async def _restore_into(
+        self, principal: Principal, live: LiveSession, kernel: KernelSession, snapshot_id: str
+    ) -> RestoreReport:
+        """Only the owner restores; the blob's MAC is checked before any sandbox sees it,
+        and it is only ever loaded inside this brand-new sandbox."""
+        snap = await self.get_snapshot(principal, snapshot_id)
+        self.blobs.verify(snap.id, snap.owner, snap.sha256, snap.mac)
+        name = f"restore-{uuid.uuid4().hex[:12]}"
+        t0 = time.monotonic()
+        limit = self.settings.gateway.max_snapshot_bytes
+        await kernel.sandbox.unpack_snapshot(name, self.blobs.read(snap.id), limit)
+        result = calls.result(
+            await kernel.call(
+                calls.restore(name), calls.RESULT, timeout=self.settings.gateway.snapshot_timeout
+            )
+        )
+        with contextlib.suppress(KernelhubError):
+            await kernel.call(calls.remove(name), {}, timeout=60)
+        report = RestoreReport(
+            snapshot_id=snap.id,
+            restored=list(result.get("restored", [])),
+            failed={str(k): str(v) for k, v in dict(result.get("failed", {})).items()},
+            skipped={str(k): str(v) for k, v in dict(result.get("skipped", {})).items()},
+            execution_count=result.get("execution_count"),
+            duration=time.monotonic() - t0,
+        )
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="snapshot.restore",
+                session_id=live.id,
+                duration=report.duration,
+                detail={"snapshot": snap.id, "failed": report.failed},
+            )
+        )
+        return report
+
     # -- pause and resume --------------------------------------------------------------
 
     async def pause(
@@ -672,6 +813,20 @@ class SessionManager:
 
     def live(self, principal: Principal, session_id: str) -> LiveSession:
         return self._get(principal, session_id)
+
+
+def _snapshot_info(s: StoredSnapshot) -> SnapshotInfo:
+    m = s.metadata
+    return SnapshotInfo(
+        id=s.id,
+        session_id=s.session_id,
+        created_at=s.created_at,
+        size_bytes=s.size,
+        duration=float(m.get("duration", 0.0)),
+        execution_count=m.get("execution_count"),
+        saved=list(m.get("saved", [])),
+        skipped=dict(m.get("skipped", {})),
+    )
 
 
 def _info(s: StoredSession, state: SessionState, reason: str | None, last_seq: int) -> SessionInfo:

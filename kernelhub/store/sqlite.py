@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 from kernelhub.errors import KernelhubError
 from kernelhub.models import Event, ExecutionRecord, ExecutionStatus
@@ -68,6 +68,17 @@ CREATE TABLE IF NOT EXISTS events (
   PRIMARY KEY (session_id, seq)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS events_execution ON events(execution_id);
+CREATE TABLE IF NOT EXISTS snapshots (
+  id TEXT PRIMARY KEY,
+  session_id TEXT NOT NULL,
+  owner TEXT NOT NULL,
+  created_at TEXT NOT NULL,
+  size INTEGER NOT NULL,
+  sha256 TEXT NOT NULL,
+  mac TEXT NOT NULL,
+  metadata TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS snapshots_owner ON snapshots(owner);
 CREATE TABLE IF NOT EXISTS audit (
   id INTEGER PRIMARY KEY,
   at TEXT NOT NULL,
@@ -130,6 +141,17 @@ class StoredExecution(BaseModel):
     idempotency_key: str | None
     created_at: datetime
     record: ExecutionRecord | None
+
+
+class StoredSnapshot(BaseModel):
+    id: str
+    session_id: str
+    owner: str
+    created_at: datetime
+    size: int
+    sha256: str
+    mac: str = Field(repr=False)
+    metadata: dict[str, Any]
 
 
 class AuditEntry(BaseModel):
@@ -424,6 +446,38 @@ class SqliteStore:
         )
         return int(rows[0][0] or 0)
 
+    # -- snapshots ---------------------------------------------------------------------
+
+    async def insert_snapshot(self, s: StoredSnapshot) -> None:
+        await self._run(
+            self._q,
+            "INSERT INTO snapshots (id, session_id, owner, created_at, size, sha256, mac, metadata)"
+            " VALUES (?,?,?,?,?,?,?,?)",
+            (
+                s.id,
+                s.session_id,
+                s.owner,
+                s.created_at.isoformat(),
+                s.size,
+                s.sha256,
+                s.mac,
+                json.dumps(s.metadata),
+            ),
+        )
+
+    async def get_snapshot(self, snapshot_id: str) -> StoredSnapshot | None:
+        rows = await self._run(self._q, "SELECT * FROM snapshots WHERE id = ?", (snapshot_id,))
+        return _snapshot(rows[0]) if rows else None
+
+    async def list_snapshots(self, owner: str) -> list[StoredSnapshot]:
+        rows = await self._run(
+            self._q, "SELECT * FROM snapshots WHERE owner = ? ORDER BY created_at", (owner,)
+        )
+        return [_snapshot(r) for r in rows]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._run(self._q, "DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
+
     # -- audit -------------------------------------------------------------------------
 
     async def audit(self, entry: AuditEntry) -> None:
@@ -465,6 +519,19 @@ class SqliteStore:
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
         return await self._run(fetch)
+
+
+def _snapshot(r: sqlite3.Row) -> StoredSnapshot:
+    return StoredSnapshot(
+        id=r[0],
+        session_id=r[1],
+        owner=r[2],
+        created_at=datetime.fromisoformat(r[3]),
+        size=r[4],
+        sha256=r[5],
+        mac=r[6],
+        metadata=json.loads(r[7]),
+    )
 
 
 def _session(r: sqlite3.Row) -> StoredSession:

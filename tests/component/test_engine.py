@@ -341,3 +341,27 @@ async def test_confirm_yes_no_and_the_deadline(open_session: SessionFactory) -> 
     handle = await s.submit("x = input('name? ')")
     result = await handle.wait()
     assert result.error is not None and result.error.name == "EOFError"
+
+
+async def test_snapshot_moves_out_as_an_opaque_blob_and_restores_in_a_fresh_sandbox(
+    open_session: SessionFactory,
+) -> None:
+    from kernelhub.snapshot import calls
+
+    a = await open_session()
+    await a.execute("import numpy as np\nkept = np.arange(4)\ndef f(x):\n    return x + 1")
+    saved = calls.result(await a.call(calls.capture("snap-t"), calls.RESULT, timeout=60 * UNIT))
+    assert {"kept", "f"} <= set(saved["saved"])
+    blob = b"".join([c async for c in a.sandbox.pack_snapshot("snap-t", 1 << 30)])
+    assert blob  # opaque bytes: never opened here
+    b = await open_session()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield blob
+
+    await b.sandbox.unpack_snapshot("restore-t", chunks(), 1 << 30)
+    report = calls.result(await b.call(calls.restore("restore-t"), calls.RESULT, timeout=60 * UNIT))
+    assert report["failed"] == {}
+    assert (await b.execute("f(int(kept.sum()))")).text == "7"
+    with pytest.raises(InvalidRequestError):
+        await b.sandbox.unpack_snapshot("../escape", chunks(), 1 << 30)

@@ -427,17 +427,27 @@ class _RunsCode:
 
 async def test_one_bad_group_does_not_take_the_others_down(pair: Pair) -> None:
     await pair.start_a()
-    await run(pair.a, "a = [1, 2]\nb = {'x': 1}\nc = 'keep me'")
-    snap, _ = await pair.capture()
+    await run(pair.a, "a = [1, 2]\nb = {'x': 1}\nc = 'keep me'\nbig = bytes(9 << 20)")
+    snap, captured = await pair.capture()
     local = pair.tmp / "corrupt"
     shutil.copytree(snap, local)
     _rewrite_group(local, "a", b"not a pickle", fix_manifest=False)  # corrupted in transit
     _rewrite_group(local, "b", pickle.dumps(ValueError), fix_manifest=True)
+    # Same size, one byte flipped: it unpickles, then its sha256 (checked meanwhile, in a
+    # thread, for a large file) does not match, and the name is taken back.
+    (big_file,) = [g["file"] for g in captured["groups"] if g["names"] == ["big"]]
+    with open(local / big_file, "r+b") as f:
+        f.seek(5 << 20)
+        f.write(b"\x01")
     await pair.start_b()
     restored = await snapshot_call(pair.b, f"restore({str(pair.move_to_b(local))!r})")
-    assert "sha256" in restored["failed"]["a"] or "bytes" in restored["failed"]["a"]
+    assert "bytes" in restored["failed"]["a"]
+    assert "sha256" in restored["failed"]["big"]
     assert restored["restored"] == ["b", "c"]  # b loads, as ValueError: no loss of c
-    await assert_true(pair.b, {"c": "c == 'keep me'", "a": "'a' not in globals()"})
+    await assert_true(
+        pair.b,
+        {"c": "c == 'keep me'", "a": "'a' not in globals()", "big": "'big' not in globals()"},
+    )
 
 
 async def test_hostile_snapshot_only_ever_loads_in_the_sandbox(pair: Pair) -> None:

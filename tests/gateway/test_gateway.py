@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -603,3 +604,79 @@ async def test_sdk_against_the_real_gateway(gateway: Gateway) -> None:
         answered = await session.run("print(confirm('go?'))", on_input=lambda prompt: "y")
         assert answered.stdout.strip() == "True"
         await session.delete()
+
+
+async def test_snapshot_and_restore_into_a_fresh_sandbox(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    h = auth(token)
+    sid = await new_session(http, token)
+    setup = (
+        "import numpy as np, pandas as pd, threading\n"
+        "arr = np.arange(10)\n"
+        "df = pd.DataFrame({'a': [1, 2, 3]})\n"
+        "def double(x):\n    return 2 * x\n"
+        "class Point:\n    def __init__(self, x):\n        self.x = x\n"
+        "p = Point(3)\n"
+        "square = lambda v: v * v\n"
+        "def make_adder(n):\n    return lambda v: v + n\n"
+        "add5 = make_adder(5)\n"
+        "lock = threading.Lock()\n"
+        "gen = (i for i in range(3))\n"
+        "open('notes.txt', 'w').write('kept')\n"
+    )
+    assert (await run(http, token, sid, setup))["status"] == "completed"
+    r = await http.post(f"/v1/sessions/{sid}/snapshots", headers=h)
+    assert r.status_code == 201, r.text
+    snap = r.json()
+    assert {"arr", "df", "double", "Point", "p", "square", "add5"} <= set(snap["saved"])
+    assert "gen" in snap["skipped"] and snap["skipped"]["gen"]
+    r = await http.post("/v1/sessions", json={"from_snapshot": snap["id"]}, headers=h)
+    assert r.status_code == 201, r.text
+    restored = r.json()
+    assert restored["restore"]["failed"] == {}
+    check = await run(
+        http, token, restored["id"],
+        "print(arr.sum(), df.a.sum(), double(4), isinstance(p, Point), p.x, square(3), add5(1),"
+        " open('notes.txt').read())",
+    )  # fmt: skip
+    assert stdout(check) == "45 6 8 True 3 9 6 kept\n", check
+    assert check["record"]["execution_count"] == 2  # continues after the one cell before
+    # Someone else cannot restore it; a blob edited on disk is refused before any sandbox.
+    bob = gateway.token("bob")
+    r = await http.post("/v1/sessions", json={"from_snapshot": snap["id"]}, headers=auth(bob))
+    assert r.status_code == 404
+    blob = next((Path(gateway.env["KERNELHUB_DATA_DIR"]) / "snapshots").glob(f"{snap['id']}.blob"))
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    r = await http.post("/v1/sessions", json={"from_snapshot": snap["id"]}, headers=h)
+    assert r.status_code == 400 and "integrity" in r.json()["message"]
+
+
+async def test_a_snapshot_that_runs_code_when_unpickled_never_runs_it_on_the_host(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    h = auth(token)
+    marker = Path(f"/tmp/kernelhub-pwned-{uuid.uuid4().hex}")
+    sid = await new_session(http, token)
+    # Hostile code in the sandbox makes an object whose unpickling runs a command.
+    hostile = (
+        "import os\n"
+        "class Evil:\n"
+        f"    def __reduce__(self):\n        return (os.system, ('touch {marker}',))\n"
+        "evil = Evil()\n"
+    )
+    await run(http, token, sid, hostile)
+    snap = (await http.post(f"/v1/sessions/{sid}/snapshots", headers=h)).json()
+    r = await http.post("/v1/sessions", json={"from_snapshot": snap["id"]}, headers=h)
+    assert r.status_code == 201
+    # It ran, if at all, inside the new sandbox — whose /tmp is not the host's.
+    assert not marker.exists()
+    inside = await run(
+        http, token, r.json()["id"], f"import os\nprint(os.path.exists({str(marker)!r}))"
+    )
+    assert stdout(inside) in ("True\n", "False\n")
+    assert not marker.exists()

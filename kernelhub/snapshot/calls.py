@@ -1,0 +1,47 @@
+"""The code kernelhub runs in a kernel to capture or restore it (``kernelhub_kernel.snapshot``
+in the image), and the parsing of its answers. Pure: strings in, dicts out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kernelhub.errors import KernelError
+
+_MODULE = "__import__('kernelhub_kernel.snapshot', fromlist=['capture'])"
+RESULT = {"result": f"{_MODULE}.last_result()"}
+_DIR = "__import__('os').path.join(__import__('os').environ.get('KERNELHUB_SNAPSHOTS', '/tmp/.kernelhub'), {name!r})"
+
+
+def _check(name: str) -> str:
+    if not name.replace("-", "").isalnum():
+        raise ValueError(f"snapshot directory name {name!r} must be alphanumeric with dashes")
+    return name
+
+
+def capture(name: str, base: str | None = None) -> str:
+    base_arg = _DIR.format(name=_check(base)) if base else "None"
+    return f"{_MODULE}.capture({_DIR.format(name=_check(name))}, base={base_arg})"
+
+
+def restore(name: str) -> str:
+    return f"{_MODULE}.restore({_DIR.format(name=_check(name))})"
+
+
+def remove(name: str) -> str:
+    return f"__import__('shutil').rmtree({_DIR.format(name=_check(name))}, ignore_errors=True)"
+
+
+def result(answers: dict[str, Any]) -> dict[str, Any]:
+    """The capture/restore result from the ``user_expressions`` answers."""
+    answer = answers.get("result")
+    if not isinstance(answer, dict) or answer.get("status") != "ok":
+        detail = answer.get("evalue") if isinstance(answer, dict) else answer
+        raise KernelError(f"the kernel did not report a snapshot result: {detail}")
+    data = answer.get("data", {})
+    value = data.get("application/json")
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, dict):
+        raise KernelError("the kernel's snapshot result is not a JSON object")
+    return value
