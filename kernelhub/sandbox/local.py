@@ -22,6 +22,7 @@ import tempfile
 import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Literal
 
 import psutil
 
@@ -65,9 +66,16 @@ class LocalBackend(SandboxBackend):
     name = "local"
 
     def __init__(
-        self, *, run_dir: Path, instance: str = "default", unisolated: bool = False
+        self,
+        *,
+        run_dir: Path,
+        instance: str = "default",
+        unisolated: bool = False,
+        bwrap: str | Literal["auto"] | None = "auto",
     ) -> None:
-        self.bwrap = bwrap_path()
+        """``bwrap``: the bubblewrap binary; ``"auto"`` looks it up on PATH, None means
+        there is none."""
+        self.bwrap = bwrap_path() if bwrap == "auto" else bwrap
         if self.bwrap is None and not unisolated:
             raise BackendUnavailableError(
                 "the local backend needs bubblewrap for isolation: `apt-get install -y "

@@ -680,3 +680,38 @@ async def test_a_snapshot_that_runs_code_when_unpickled_never_runs_it_on_the_hos
     )
     assert stdout(inside) in ("True\n", "False\n")
     assert not marker.exists()
+
+
+async def test_audit_log_records_who_did_what(gateway: Gateway, http: httpx.AsyncClient) -> None:
+    import sqlite3
+
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    await run(http, token, sid, "print('audited')")
+    r = await http.post(
+        f"/v1/sessions/{sid}/executions", json={"code": "input('ok? ')"}, headers=auth(token)
+    )
+    eid = r.json()["id"]
+    for _ in range(200):
+        if (await http.get(f"/v1/executions/{eid}?events=false", headers=auth(token))).json()[
+            "status"
+        ] == "awaiting_input":
+            break
+        await asyncio.sleep(0.05)
+    await http.post(f"/v1/executions/{eid}/input", json={"value": "sure"}, headers=auth(token))
+    await http.delete(f"/v1/sessions/{sid}", headers=auth(token))
+    db = sqlite3.connect(Path(gateway.env["KERNELHUB_DATA_DIR"]) / "kernelhub.sqlite3")
+    rows = db.execute(
+        "SELECT principal, action, code, status, duration, cpu_seconds, peak_memory_bytes, output_bytes, client, detail FROM audit WHERE session_id = ? ORDER BY id",
+        (sid,),
+    ).fetchall()
+    db.close()
+    actions = [r[1] for r in rows]
+    assert actions[0] == "session.create" and actions[-1] == "session.delete"
+    executed = next(r for r in rows if r[1] == "execution" and r[2] == "print('audited')")
+    principal, _, _, status, duration, cpu, peak, out_bytes, client, _ = executed
+    assert principal == "alice" and status == "completed" and duration > 0
+    assert cpu is not None and peak is not None and out_bytes == len("audited\n")
+    assert client and client.startswith("127.0.0.1:")
+    answered = next(r for r in rows if r[1] == "execution.input")
+    assert answered[0] == "alice" and '"sure"' in answered[9]
