@@ -4,7 +4,7 @@
 
 A real kernel (the supervisor and ``kernelhub_kernel`` from ``kernel-image/``, as in a
 sandbox) builds a realistic agent namespace: a ~500 MB DataFrame (numbers, a category,
-timestamps, a column of distinct strings), small variables, and functions, classes,
+timestamps, a column of 3M string objects), small variables, and functions, classes,
 lambdas, a dataclass and an Enum defined in cells. Inside that kernel, on the same
 objects, we measure:
 
@@ -435,8 +435,8 @@ def markdown(table: list[list[str]], details: dict[str, Any], rows: int, runs: i
         " (pickle protocol 5, buffers out of band) while their sha256 is computed in parallel; the"
         " string column travels as one UTF-8 blob (restored with one `str.split`) instead of"
         " millions of memoized pickle strings. dill pickles every string through Python code and"
-        " copies the numeric data into its pickle. The incremental captures re-pickle the small"
-        " groups (always) and the groups a cell may have changed; the DataFrame's file is"
+        " copies the numeric data into its pickle. The incremental captures re-pickle the small data"
+        " groups (always, compared by digest) and the groups a cell may have changed; the DataFrame's file is"
         " hard-linked from the previous snapshot.",
         "",
         "Groups of the full capture (names, pickler, bytes):",
