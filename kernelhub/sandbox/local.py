@@ -230,6 +230,9 @@ class LocalSandbox(Sandbox):
             cmd += ["--ro-bind-try", path, path]
         for path in _ETC_FILES:
             cmd += ["--ro-bind-try", path, path]
+        # A private /tmp first: the binds below may live under the host's /tmp (a checkout
+        # there), and a later mount hides an earlier one.
+        cmd += ["--tmpfs", "/tmp"]
         # The interpreter and its packages, wherever they live (a venv under /root, pyenv …).
         for path in sorted(
             {sys.prefix, sys.base_prefix, str(Path(python).resolve().parent.parent)}
@@ -240,7 +243,6 @@ class LocalSandbox(Sandbox):
             "--ro-bind", kdir, kdir,
             "--proc", "/proc",
             "--dev", "/dev",
-            "--tmpfs", "/tmp",
             "--bind", str(self._workspace), WORKSPACE,
             "--bind", str(self._snapshots), "/tmp/.kernelhub",
             "--bind", str(self.session_dir.ipc_dir), IPC_DIR,
