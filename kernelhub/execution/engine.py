@@ -174,9 +174,11 @@ class KernelSession:
         self._closed = False
         self._paused = False
         self._paused_since: float | None = None
-        self._resumed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # Resolved when the session is paused / resumed; replaced at each transition.
+        self._pause_signal: asyncio.Future[None] = loop.create_future()
+        self._resume_signal: asyncio.Future[None] = loop.create_future()
         self._input_deadline: asyncio.TimerHandle | None = None
-        self._pause_waiters: list[asyncio.Future[None]] = []
         self.kernel_info: dict[str, Any] = {}
 
     # -- lifecycle --------------------------------------------------------------------
@@ -416,11 +418,8 @@ class KernelSession:
         await self.sandbox.pause()
         self._paused = True
         self._paused_since = time.monotonic()
-        self._resumed.clear()
-        waiters, self._pause_waiters = self._pause_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        self._resume_signal = asyncio.get_running_loop().create_future()
+        self._pause_signal.set_result(None)
         self._cancel_input_deadline()
         if self._active is not None:
             handle = self._active[1]
@@ -440,7 +439,8 @@ class KernelSession:
         paused_for = time.monotonic() - (self._paused_since or time.monotonic())
         self._paused = False
         self._paused_since = None
-        self._resumed.set()
+        self._pause_signal = asyncio.get_running_loop().create_future()
+        self._resume_signal.set_result(None)
         if self._active is not None:
             handle = self._active[1]
             handle.paused_seconds += paused_for
@@ -855,16 +855,12 @@ class KernelSession:
 
     async def _wait_running(self, done: asyncio.Future[None], handle: ExecutionHandle) -> None:
         """Wait for the cell; TimeoutError once it has *run* for its timeout. Paused time
-        does not count, and a frozen sandbox is never interrupted."""
+        does not count, and a frozen sandbox is never interrupted. (Plain futures only:
+        this runs for every cell, and tasks would cost more than the cell itself.)"""
         started = time.monotonic()
         while True:
             if self._paused:
-                resumed = asyncio.ensure_future(self._resumed.wait())
-                either: set[asyncio.Future[Any]] = {done, resumed}
-                try:
-                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    resumed.cancel()
+                await asyncio.wait({done, self._resume_signal}, return_when=asyncio.FIRST_COMPLETED)
                 if done.done():
                     return done.result()
                 continue
@@ -875,26 +871,13 @@ class KernelSession:
                 remaining = handle.timeout - ran
                 if remaining <= 0:
                     raise TimeoutError
-            paused = asyncio.ensure_future(self._wait_paused())
-            try:
-                finished, _ = await asyncio.wait(
-                    {done, paused}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                paused.cancel()
+            finished, _ = await asyncio.wait(
+                {done, self._pause_signal}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
             if done.done():
                 return done.result()
             if not finished and not self._paused:
                 raise TimeoutError
-
-    async def _wait_paused(self) -> None:
-        while not self._paused:
-            await self._pause_changed()
-
-    async def _pause_changed(self) -> None:
-        fut = asyncio.get_running_loop().create_future()
-        self._pause_waiters.append(fut)
-        await fut
 
     async def _escalate(
         self, done: asyncio.Future[None], handle: ExecutionHandle
