@@ -258,13 +258,7 @@ class KernelSession:
         """Stop the kernel and release the sandbox. Queued cells end as ``cancelled``."""
         if self._closed:
             return
-        self._closed = True
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
-        await self._stop_pumps()
+        await self.detach()
         while not self._queue.empty():
             handle = self._queue.get_nowait()
             self._finish_unstarted(

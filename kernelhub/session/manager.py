@@ -734,31 +734,23 @@ class SessionManager:
     async def pause(
         self, principal: Principal, session_id: str, client: str | None = None
     ) -> SessionInfo:
-        live = self._get(principal, session_id)
-        await self._kernel(live).pause()
-        await self.store.audit(
-            AuditEntry(
-                principal=principal.name,
-                action="session.pause",
-                session_id=session_id,
-                client=client,
-            )
-        )
-        return await self.info(principal, session_id)
+        return await self._freeze(principal, session_id, client, pause=True)
 
     async def resume(
         self, principal: Principal, session_id: str, client: str | None = None
     ) -> SessionInfo:
-        live = self._get(principal, session_id)
-        await self._kernel(live).resume()
-        await self.store.audit(
-            AuditEntry(
-                principal=principal.name,
-                action="session.resume",
-                session_id=session_id,
-                client=client,
-            )
+        return await self._freeze(principal, session_id, client, pause=False)
+
+    async def _freeze(
+        self, principal: Principal, session_id: str, client: str | None, *, pause: bool
+    ) -> SessionInfo:
+        kernel = self._kernel(self._get(principal, session_id))
+        await (kernel.pause() if pause else kernel.resume())
+        action = "session.pause" if pause else "session.resume"
+        entry = AuditEntry(
+            principal=principal.name, action=action, session_id=session_id, client=client
         )
+        await self.store.audit(entry)
         return await self.info(principal, session_id)
 
     # -- files -------------------------------------------------------------------------
