@@ -91,6 +91,12 @@ class GatewaySettings(BaseModel):
     max_body_bytes: int = Field(2 * MiB, ge=1024, description="largest JSON request body")
     max_file_bytes: int = Field(100 * MiB, ge=1024, description="largest upload/download")
     max_snapshot_bytes: int = Field(4 * 1024 * MiB, ge=MiB, description="largest snapshot")
+    hibernate_after: float | None = Field(
+        1800.0,
+        gt=0,
+        description="seconds idle before a session is snapshotted and its sandbox removed "
+        "(it wakes on next use); None keeps sandboxes up",
+    )
     snapshot_timeout: float = Field(
         600.0, gt=0, description="seconds a capture or restore may take"
     )

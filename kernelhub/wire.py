@@ -53,6 +53,7 @@ class SessionState(StrEnum):
     READY = "ready"
     BUSY = "busy"
     PAUSED = "paused"
+    HIBERNATED = "hibernated"  # checkpointed, sandbox removed; wakes on next use
     DEAD = "dead"
     DELETED = "deleted"
 

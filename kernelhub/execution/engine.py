@@ -190,10 +190,14 @@ class KernelSession:
         spec: SandboxSpec,
         *,
         engine: EngineSettings | None = None,
+        first_seq: int = 0,
     ) -> KernelSession:
-        """Create and start a sandbox, wait for its kernel, and return a ready session."""
+        """Create and start a sandbox, wait for its kernel, and return a ready session.
+        Sequence numbers continue after ``first_seq`` (a session woken from hibernation)."""
         sandbox = await backend.create(spec)
-        session = cls(sandbox, limits=spec.limits, engine=engine or EngineSettings())
+        session = cls(
+            sandbox, limits=spec.limits, engine=engine or EngineSettings(), first_seq=first_seq
+        )
         try:
             await sandbox.start()
             await session._connect(timeout=session.engine.start_timeout, starting=True)

@@ -75,6 +75,9 @@ class LiveSession:
     clients: dict[str, str] = field(default_factory=dict)  # execution id -> client address
     principals: dict[str, str] = field(default_factory=dict)  # execution id -> principal
     codes: dict[str, str] = field(default_factory=dict)  # running execution id -> code
+    last_active: float = field(default_factory=time.monotonic)
+    hibernation: str | None = None  # the snapshot a hibernated session wakes from
+    wake_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def id(self) -> str:
@@ -125,6 +128,12 @@ class SessionManager:
             limits = Limits(**stored.limits)
             live = LiveSession(stored=stored, limits=limits, fanout=self._fanout(stored.id))
             self.sessions[stored.id] = live
+            if stored.state == SessionState.HIBERNATED and (stored.reason or "").startswith(
+                "hibernation:"
+            ):
+                live.state = SessionState.HIBERNATED
+                live.hibernation = (stored.reason or "").split(":", 1)[1]
+                continue
             spec = SandboxSpec(session_id=stored.id, owner=stored.owner, limits=limits)
             sandbox = None
             with contextlib.suppress(KernelhubError):
@@ -155,6 +164,7 @@ class SessionManager:
             )
             log.info("re-adopted session %s", stored.id)
         await self.backend.reap_orphans()
+        self._spawn(self._hibernate_idle())
 
     async def _finish_orphaned_executions(
         self, live: LiveSession, last_seq: int, lost: str | None
@@ -334,6 +344,7 @@ class SessionManager:
     def _on_event(self, live: LiveSession, event: Event) -> None:
         live.fanout.publish(event)
         if isinstance(event, FinalEvent):
+            live.last_active = time.monotonic()
             self._settled[event.execution_id] = asyncio.get_running_loop().create_future()
             self._recent_records[event.execution_id] = event.record
             while len(self._recent_records) > 1024:
@@ -398,7 +409,8 @@ class SessionManager:
 
     async def _watch(self, live: LiveSession, kernel: KernelSession) -> None:
         info = await kernel.sandbox.wait_exit()
-        if live.state != SessionState.DELETED:
+        # A hibernating session removes its sandbox on purpose: not a death.
+        if live.kernel is kernel and live.state != SessionState.DELETED:
             await self._mark_dead(live, info.reason)
 
     async def _mark_dead(self, live: LiveSession, reason: str) -> None:
@@ -453,6 +465,9 @@ class SessionManager:
         live.state = SessionState.DELETED
         if live.kernel is not None:
             await live.kernel.close()
+        if live.hibernation is not None:
+            await self.store.delete_snapshot(live.hibernation)
+            self.blobs.remove(live.hibernation)
         await live.fanout.close()
         await self.store.update_session(session_id, state=SessionState.DELETED.value, deleted=True)
         del self.sessions[session_id]
@@ -502,7 +517,7 @@ class SessionManager:
                         f"idempotency_key {body.idempotency_key!r} was used for another session"
                     )
                 return existing, live.kernel.get(existing.id) if live.kernel else None, False
-        kernel = self._kernel(live)
+        kernel = await self._awake(live)
         if kernel.queue_length >= self.settings.gateway.max_queued_per_session:
             raise QuotaError(
                 f"session {session_id} already has {kernel.queue_length} cells queued; wait for some to finish",
@@ -544,7 +559,99 @@ class SessionManager:
         )
         return await self.store.get_execution(rows[0][0]) if rows else None
 
+    # -- hibernation -------------------------------------------------------------------
+
+    async def _hibernate_idle(self) -> None:
+        """Every few seconds: snapshot and remove the sandbox of each session idle for
+        ``hibernate_after`` seconds. It wakes, transparently, on its next use."""
+        after = self.settings.gateway.hibernate_after
+        if after is None:
+            return
+        while True:
+            await asyncio.sleep(min(after / 2, 5.0))
+            now = time.monotonic()
+            for live in list(self.sessions.values()):
+                kernel = live.kernel
+                idle = (
+                    live.state == SessionState.READY
+                    and kernel is not None
+                    and kernel.alive
+                    and not kernel.paused
+                    and kernel.running is None
+                    and kernel.queue_length == 0
+                    and now - live.last_active >= after
+                )
+                if idle:
+                    try:
+                        await self.hibernate(live)
+                    except KernelhubError as exc:
+                        log.warning("could not hibernate session %s: %s", live.id, exc)
+
+    async def hibernate(self, live: LiveSession) -> None:
+        async with live.wake_lock:
+            if live.state != SessionState.READY or live.kernel is None:
+                return
+            owner = Principal(name=live.stored.owner)
+            info = await self.snapshot(owner, live.id, None, kind="hibernation")
+            kernel, live.kernel = live.kernel, None
+            live.hibernation = info.id
+            live.state = SessionState.HIBERNATED
+            await kernel.close()
+            await self.store.update_session(
+                live.id, state=SessionState.HIBERNATED.value, reason=f"hibernation:{info.id}"
+            )
+            await self.store.audit(
+                AuditEntry(
+                    principal=None,
+                    action="session.hibernate",
+                    session_id=live.id,
+                    detail={"snapshot": info.id},
+                )
+            )
+            log.info("session %s hibernated (snapshot %s)", live.id, info.id)
+
+    async def _awake(self, live: LiveSession) -> KernelSession:
+        """The session's kernel, woken from hibernation first if need be."""
+        live.last_active = time.monotonic()
+        if live.state != SessionState.HIBERNATED:
+            return self._kernel(live)
+        async with live.wake_lock:
+            if live.state == SessionState.HIBERNATED:
+                await self._wake(live)
+        return self._kernel(live)
+
+    async def _wake(self, live: LiveSession) -> None:
+        assert live.hibernation is not None
+        t0 = time.monotonic()
+        owner = Principal(name=live.stored.owner)
+        kernel = await KernelSession.start(
+            self.backend,
+            SandboxSpec(session_id=live.id, owner=live.stored.owner, limits=live.limits),
+            engine=self.settings.engine,
+            first_seq=await self.store.last_seq(live.id),
+        )
+        self._bind(live, kernel)
+        try:
+            report = await self._restore_into(owner, live, kernel, live.hibernation)
+        except BaseException:
+            await kernel.close()
+            live.kernel = None
+            raise
+        live.state = SessionState.READY
+        await self.store.update_session(live.id, state=SessionState.READY.value, reason="")
+        snapshot, live.hibernation = live.hibernation, None
+        await self.store.delete_snapshot(snapshot)
+        self.blobs.remove(snapshot)
+        message = (
+            f"woke from hibernation in {time.monotonic() - t0:.2f} s: "
+            f"{len(report.restored)} variables restored"
+            + (f", not restored: {report.failed}" if report.failed else "")
+        )
+        kernel._emit(None, NoticeEvent(execution_id="", seq=kernel._next_seq(), message=message))
+
     def _kernel(self, live: LiveSession) -> KernelSession:
+        if live.state == SessionState.HIBERNATED:
+            raise SessionError(f"session {live.id} is hibernated: nothing is running in it")
         if live.state == SessionState.DEAD or live.kernel is None or not live.kernel.alive:
             raise SessionError(
                 f"session {live.id} is dead ({live.reason or 'kernel gone'}); create a new session"
@@ -629,12 +736,17 @@ class SessionManager:
     # -- snapshots ---------------------------------------------------------------------
 
     async def snapshot(
-        self, principal: Principal, session_id: str, client: str | None = None
+        self,
+        principal: Principal,
+        session_id: str,
+        client: str | None = None,
+        *,
+        kind: str = "snapshot",
     ) -> SnapshotInfo:
         """Capture the namespace and /workspace inside the sandbox, move the result out as
         an opaque blob, bind it to its owner with a MAC. The host never opens it."""
         live = self._get(principal, session_id)
-        kernel = self._kernel(live)
+        kernel = await self._awake(live)
         name = f"snap-{uuid.uuid4().hex[:12]}"
         timeout = self.settings.gateway.snapshot_timeout
         t0 = time.monotonic()
@@ -649,6 +761,7 @@ class SessionManager:
             with contextlib.suppress(KernelhubError):
                 await kernel.call(calls.remove(name), {}, timeout=timeout)
         metadata = {
+            "kind": kind,
             "duration": time.monotonic() - t0,
             "execution_count": result.get("execution_count"),
             "saved": list(result.get("saved", [])),
@@ -679,7 +792,8 @@ class SessionManager:
         return _snapshot_info(stored)
 
     async def snapshots(self, principal: Principal) -> list[SnapshotInfo]:
-        return [_snapshot_info(s) for s in await self.store.list_snapshots(principal.name)]
+        stored = await self.store.list_snapshots(principal.name)
+        return [_snapshot_info(s) for s in stored if s.metadata.get("kind") != "hibernation"]
 
     async def get_snapshot(self, principal: Principal, snapshot_id: str) -> StoredSnapshot:
         snap = await self.store.get_snapshot(snapshot_id)
@@ -744,7 +858,7 @@ class SessionManager:
     async def _freeze(
         self, principal: Principal, session_id: str, client: str | None, *, pause: bool
     ) -> SessionInfo:
-        kernel = self._kernel(self._get(principal, session_id))
+        kernel = await self._awake(self._get(principal, session_id))
         await (kernel.pause() if pause else kernel.resume())
         action = "session.pause" if pause else "session.resume"
         entry = AuditEntry(
@@ -764,7 +878,7 @@ class SessionManager:
         client: str | None = None,
     ) -> int:
         live = self._get(principal, session_id)
-        kernel = self._kernel(live)
+        kernel = await self._awake(live)
         size = await kernel.sandbox.write_file(path, chunks, self.settings.gateway.max_file_bytes)
         await self.store.audit(
             AuditEntry(
@@ -782,7 +896,7 @@ class SessionManager:
     ) -> AsyncIterator[bytes]:
         """The file's chunks; errors (missing, symlink, too large) raise before the first."""
         live = self._get(principal, session_id)
-        kernel = self._kernel(live)
+        kernel = await self._awake(live)
         chunks = kernel.sandbox.read_file(path, self.settings.gateway.max_file_bytes)
         first = await anext(chunks, b"")
         await self.store.audit(

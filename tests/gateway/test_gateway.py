@@ -715,3 +715,38 @@ async def test_audit_log_records_who_did_what(gateway: Gateway, http: httpx.Asyn
     assert client and client.startswith("127.0.0.1:")
     answered = next(r for r in rows if r[1] == "execution.input")
     assert answered[0] == "alice" and '"sure"' in answered[9]
+
+
+async def test_idle_session_hibernates_and_wakes_transparently(tmp_path: Any) -> None:
+    import docker
+
+    gw = Gateway(tmp_path / "data", _run_dir(), KERNELHUB_GATEWAY__HIBERNATE_AFTER=str(2 * UNIT))
+    gw.start()
+    try:
+        token = gw.token("alice")
+        h = auth(token)
+        async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
+            sid = await new_session(http, token)
+            await run(http, token, sid, "x = 41\nopen('kept.txt', 'w').write('file')")
+            for _ in range(200):
+                info = (await http.get(f"/v1/sessions/{sid}", headers=h)).json()
+                if info["state"] == "hibernated":
+                    break
+                await asyncio.sleep(0.1)
+            assert info["state"] == "hibernated", info
+            listed = (await http.get("/v1/sessions", headers=h)).json()["sessions"]
+            assert [s["state"] for s in listed if s["id"] == sid] == ["hibernated"]
+            client = docker.from_env()
+            assert not client.containers.list(
+                all=True, filters={"label": f"org.kernelhub.session={sid}"}
+            )
+            client.close()
+            woke = await run(http, token, sid, "print(x + 1, open('kept.txt').read())")
+            assert stdout(woke) == "42 file\n"
+            assert (await http.get(f"/v1/sessions/{sid}", headers=h)).json()["state"] in (
+                "ready",
+                "busy",
+            )
+            assert (await http.get("/v1/snapshots", headers=h)).json()["snapshots"] == []
+    finally:
+        gw.stop()
