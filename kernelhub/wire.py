@@ -46,6 +46,26 @@ class SessionCreate(_In):
     from_snapshot: str | None = Field(
         None, description="restore this snapshot (yours) into the new session's fresh sandbox"
     )
+    checkpoints: Literal["off", "every_cell"] | float = Field(
+        "off",
+        description="automatic checkpoints after successful cells: off, every_cell, or a "
+        "number = at most one every that many seconds. Incremental: only what changed is "
+        "written. They make rewind possible",
+    )
+
+
+class RewindRequest(_In):
+    before_cell: int = Field(
+        ge=1, description="execution count of the cell to undo (and all after)"
+    )
+
+
+class RewindReport(BaseModel):
+    before_cell: int
+    checkpoint_after_cell: int | None = Field(description="None: rewound to an empty kernel")
+    restored: list[str]
+    failed: dict[str, str]
+    duration: float
 
 
 class SessionState(StrEnum):

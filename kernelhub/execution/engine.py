@@ -19,9 +19,9 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -61,6 +61,26 @@ _RECENT_EXECUTIONS = 64  # finished cells whose late thread output we still attr
 
 
 _REPLY_AFTER_IDLE_GRACE = 0.2
+T = TypeVar("T")
+
+
+class _Exclusive:
+    """A queue item that is not a cell: an operation that needs the kernel to itself."""
+
+    def __init__(
+        self, operation: Callable[[], Awaitable[Any]], result: asyncio.Future[Any]
+    ) -> None:
+        self.operation = operation
+        self.result = result
+
+
+def _answers(handle: ExecutionHandle, result: Execution) -> dict[str, Any]:
+    if result.record.status != ExecutionStatus.COMPLETED:
+        detail = result.record.error or result.record.reason
+        raise KernelError(
+            f"kernelhub's call in the kernel ended {result.record.status.value}: {detail}"
+        )
+    return handle.user_expressions
 
 
 def _settle(fut: asyncio.Future[None]) -> None:
@@ -174,6 +194,8 @@ class KernelSession:
         self._closed = False
         self._paused = False
         self._paused_since: float | None = None
+        # Called by the worker after each user cell, before the next: checkpoints.
+        self.after_cell: Callable[[ExecutionHandle], Awaitable[None]] | None = None
         loop = asyncio.get_running_loop()
         # Resolved when the session is paused / resumed; replaced at each transition.
         self._pause_signal: asyncio.Future[None] = loop.create_future()
@@ -265,6 +287,9 @@ class KernelSession:
         await self.detach()
         while not self._queue.empty():
             handle = self._queue.get_nowait()
+            if isinstance(handle, _Exclusive):
+                handle.result.set_exception(SessionClosedError("session closed"))
+                continue
             self._finish_unstarted(
                 handle, ExecutionStatus.CANCELLED, EndedBy.CANCEL, "session closed"
             )
@@ -494,13 +519,31 @@ class KernelSession:
         if self._exit is not None:
             raise KernelDiedError(self._exit.reason)
         self._queue.put_nowait(handle)
-        result = await handle.wait()
-        if result.record.status != ExecutionStatus.COMPLETED:
-            detail = result.record.error or result.record.reason
-            raise KernelError(
-                f"kernelhub's call in the kernel ended {result.record.status.value}: {detail}"
-            )
-        return handle.user_expressions
+        return _answers(handle, await handle.wait())
+
+    async def call_now(
+        self, code: str, expressions: dict[str, str], *, timeout: float | None
+    ) -> dict[str, Any]:
+        """Like :meth:`call`, but at once: only from inside :meth:`exclusive` or the
+        ``after_cell`` hook, where the worker is already ours."""
+        handle = ExecutionHandle(uuid.uuid4().hex, code, timeout, internal=dict(expressions))
+        await self._run(handle)
+        return _answers(handle, await handle.wait())
+
+    async def exclusive(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run ``operation`` in turn with the cells (after those queued before it, before
+        those queued after), with the kernel to itself: rewinds, restores."""
+        self._check_open()
+        if self._paused:
+            raise SessionError("the session is paused; resume it first")
+        item = _Exclusive(operation, asyncio.get_running_loop().create_future())
+        self._queue.put_nowait(item)  # type: ignore[arg-type]
+        return await item.result  # type: ignore[no-any-return]
+
+    async def restart(self) -> None:
+        """A fresh kernel process in the same sandbox: variables gone, files kept. Only
+        from inside :meth:`exclusive`."""
+        await self._restart()
 
     def get(self, execution_id: str) -> ExecutionHandle | None:
         return self._handles.get(execution_id)
@@ -731,7 +774,15 @@ class KernelSession:
             # outputs are not kept alive while the worker waits for the next one.
             await self._run_next(await self._queue.get())
 
-    async def _run_next(self, handle: ExecutionHandle) -> None:
+    async def _run_next(self, handle: ExecutionHandle | _Exclusive) -> None:
+        if isinstance(handle, _Exclusive):
+            try:
+                handle.result.set_result(await handle.operation())
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                handle.result.set_exception(exc)
+            return
         if handle.status != ExecutionStatus.QUEUED:
             return  # cancelled while queued
         if self._exit is not None:
@@ -741,6 +792,8 @@ class KernelSession:
             return
         try:
             await self._run(handle)
+            if self.after_cell is not None and handle.internal is None and self._exit is None:
+                await self.after_cell(handle)
         except asyncio.CancelledError:
             raise
         except Exception:

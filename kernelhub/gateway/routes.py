@@ -18,6 +18,8 @@ from kernelhub.wire import (
     ExecutionCreate,
     ExecutionInfo,
     InputReply,
+    RewindReport,
+    RewindRequest,
     SessionCreate,
     SessionInfo,
     SessionList,
@@ -96,6 +98,17 @@ async def create_snapshot(session_id: str, request: Request, caller: Caller) -> 
     """Dump the namespace (and /workspace) inside the sandbox; stored as an opaque blob.
     Restore with ``POST /v1/sessions {"from_snapshot": id}``."""
     return await manager(request).snapshot(caller, session_id, client_address(request))
+
+
+@router.post("/v1/sessions/{session_id}/rewind", responses=ERRORS, tags=["snapshots"])
+async def rewind_session(
+    session_id: str, body: RewindRequest, request: Request, caller: Caller
+) -> RewindReport:
+    """Undo cell ``before_cell`` and everything after it, from the automatic checkpoint
+    taken before it (sessions created with ``checkpoints``)."""
+    return await manager(request).rewind(
+        caller, session_id, body.before_cell, client_address(request)
+    )
 
 
 @router.get("/v1/snapshots", responses=ERRORS, tags=["snapshots"])

@@ -55,6 +55,7 @@ from kernelhub.wire import (
     ExecutionCreate,
     LimitsIn,
     RestoreReport,
+    RewindReport,
     SessionCreate,
     SessionInfo,
     SessionState,
@@ -76,6 +77,10 @@ class LiveSession:
     principals: dict[str, str] = field(default_factory=dict)  # execution id -> principal
     codes: dict[str, str] = field(default_factory=dict)  # running execution id -> code
     last_active: float = field(default_factory=time.monotonic)
+    checkpoint_policy: str | float = "off"
+    # (execution count after which it was taken, directory in the sandbox), oldest first
+    checkpoints: list[tuple[int, str]] = field(default_factory=list)
+    last_checkpoint_at: float = 0.0
     hibernation: str | None = None  # the snapshot a hibernated session wakes from
     wake_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -284,6 +289,9 @@ class SessionManager:
         )
         await self.store.insert_session(stored)
         live = LiveSession(stored=stored, limits=limits, fanout=self._fanout(stored.id))
+        live.checkpoint_policy = (
+            body.checkpoints if isinstance(body.checkpoints, str) else float(body.checkpoints)
+        )
         self.sessions[stored.id] = live
         t0 = time.monotonic()
         try:
@@ -336,6 +344,8 @@ class SessionManager:
 
     def _bind(self, live: LiveSession, kernel: KernelSession) -> None:
         live.kernel = kernel
+        live.checkpoints = []  # they live in the sandbox: a new sandbox has none
+        kernel.after_cell = lambda handle: self._checkpoint(live, kernel, handle)
         kernel.add_listener(lambda event: self._on_event(live, event))
         task = asyncio.create_task(self._watch(live, kernel))
         self._tasks.add(task)
@@ -558,6 +568,104 @@ class SessionManager:
             (principal.name, key),
         )
         return await self.store.get_execution(rows[0][0]) if rows else None
+
+    # -- checkpoints and rewind -----------------------------------------------------------
+
+    _MAX_CHECKPOINTS = 32
+
+    async def _checkpoint(
+        self, live: LiveSession, kernel: KernelSession, handle: ExecutionHandle
+    ) -> None:
+        """After a successful cell (the engine calls this before the next one starts):
+        an incremental capture inside the sandbox, kept there, the base of the next one."""
+        policy = live.checkpoint_policy
+        record = handle.record
+        if policy == "off" or record is None or record.status != ExecutionStatus.COMPLETED:
+            return
+        now = time.monotonic()
+        if isinstance(policy, float) and now - live.last_checkpoint_at < policy:
+            return
+        count = record.execution_count or 0
+        name = f"ckpt-{count}-{uuid.uuid4().hex[:6]}"
+        base = live.checkpoints[-1][1] if live.checkpoints else None
+        try:
+            await kernel.call_now(
+                calls.capture(name, base),
+                calls.RESULT,
+                timeout=self.settings.gateway.snapshot_timeout,
+            )
+        except KernelhubError as exc:
+            log.warning("checkpoint after cell %s of session %s failed: %s", count, live.id, exc)
+            return
+        live.checkpoints.append((count, name))
+        live.last_checkpoint_at = now
+        while len(live.checkpoints) > self._MAX_CHECKPOINTS:
+            _, old = live.checkpoints.pop(0)
+            await kernel.call_now(calls.remove(old), {}, timeout=60)
+
+    async def rewind(
+        self, principal: Principal, session_id: str, before_cell: int, client: str | None = None
+    ) -> RewindReport:
+        """Back to the state before cell ``before_cell``: a fresh kernel in the same sandbox,
+        restored from the checkpoint taken after the cell before it."""
+        live = self._get(principal, session_id)
+        kernel = await self._awake(live)
+        t0 = time.monotonic()
+
+        async def rewind_now() -> RewindReport:
+            usable = [(n, d) for n, d in live.checkpoints if n < before_cell]
+            if not usable and before_cell > 1:
+                raise SessionError(
+                    f"no checkpoint before cell {before_cell}; create the session with "
+                    '"checkpoints": "every_cell" to be able to rewind'
+                )
+            await kernel.restart()
+            restored: list[str] = []
+            failed: dict[str, str] = {}
+            after = None
+            if usable:
+                after, directory = usable[-1]
+                result = calls.result(
+                    await kernel.call_now(
+                        calls.restore(directory),
+                        calls.RESULT,
+                        timeout=self.settings.gateway.snapshot_timeout,
+                    )
+                )
+                restored = list(result.get("restored", []))
+                failed = {str(k): str(v) for k, v in dict(result.get("failed", {})).items()}
+            # Checkpoints of the abandoned future go; later ones build on the restored one.
+            for _, d in [c for c in live.checkpoints if c[0] >= before_cell]:
+                await kernel.call_now(calls.remove(d), {}, timeout=60)
+            live.checkpoints = [c for c in live.checkpoints if c[0] < before_cell]
+            return RewindReport(
+                before_cell=before_cell,
+                checkpoint_after_cell=after,
+                restored=restored,
+                failed=failed,
+                duration=time.monotonic() - t0,
+            )
+
+        report = await kernel.exclusive(rewind_now)
+        kernel._emit(
+            None,
+            NoticeEvent(
+                execution_id="",
+                seq=kernel._next_seq(),
+                message=f"rewound to the state before cell {before_cell}; the effects of cells {before_cell} and later are undone (files written since are kept)",
+            ),
+        )
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="session.rewind",
+                session_id=session_id,
+                client=client,
+                duration=report.duration,
+                detail={"before_cell": before_cell, "failed": report.failed},
+            )
+        )
+        return report
 
     # -- hibernation -------------------------------------------------------------------
 

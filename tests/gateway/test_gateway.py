@@ -750,3 +750,32 @@ async def test_idle_session_hibernates_and_wakes_transparently(tmp_path: Any) ->
             assert (await http.get("/v1/snapshots", headers=h)).json()["snapshots"] == []
     finally:
         gw.stop()
+
+
+async def test_checkpoints_let_a_failed_step_be_retried_from_before_it(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    h = auth(token)
+    r = await http.post("/v1/sessions", json={"checkpoints": "every_cell"}, headers=h)
+    sid = r.json()["id"]
+    await run(http, token, sid, "import pandas as pd\ndf = pd.DataFrame({'v': range(5)})")  # cell 1
+    await run(http, token, sid, "df['v'] = df['v'] * 10\nstep = 2")  # cell 2
+    bad = await run(
+        http, token, sid, "df = df.drop(columns=['v'])\nstep = 3\n1 / 0"
+    )  # cell 3 fails
+    assert bad["status"] == "failed"
+    r = await http.post(f"/v1/sessions/{sid}/rewind", json={"before_cell": 3}, headers=h)
+    assert r.status_code == 200, r.text
+    assert r.json()["checkpoint_after_cell"] == 2 and r.json()["failed"] == {}
+    after = await run(http, token, sid, "print(list(df['v']), step)")
+    assert stdout(after) == "[0, 10, 20, 30, 40] 2\n"
+    r = await http.post(f"/v1/sessions/{sid}/rewind", json={"before_cell": 2}, headers=h)
+    assert r.status_code == 200 and r.json()["checkpoint_after_cell"] == 1
+    again = await run(http, token, sid, "print(list(df['v']), 'step' in globals())")
+    assert stdout(again) == "[0, 1, 2, 3, 4] False\n"
+    # A session without checkpoints says how to get them.
+    plain = await new_session(http, token)
+    await run(http, token, plain, "x = 1")
+    r = await http.post(f"/v1/sessions/{plain}/rewind", json={"before_cell": 2}, headers=h)
+    assert r.status_code == 409 and "checkpoints" in r.json()["message"]
