@@ -74,6 +74,7 @@ from kernelhub.wire import (
     LimitsIn,
     PingFrame,
     PongFrame,
+    RewindReport,
     ServerFrame,
     SessionCreate,
     SessionInfo,
@@ -283,15 +284,22 @@ class AsyncHub:
         limits: LimitsIn | dict[str, Any] | None = None,
         metadata: dict[str, str | int | float | bool | None] | None = None,
         from_snapshot: str | None = None,
+        checkpoints: str | float | None = None,
     ) -> AsyncSession:
         """Start a new kernel. ``limits`` are capped by the operator's maxima. With
         ``from_snapshot`` (one of yours) the new kernel starts with that snapshot's
         variables and files; ``session.last_info.restore`` says what came back."""
         body = _build(
-            SessionCreate, limits=limits or {}, metadata=metadata or {}, from_snapshot=from_snapshot
+            SessionCreate,
+            limits=limits or {},
+            metadata=metadata or {},
+            from_snapshot=from_snapshot,
+            **({"checkpoints": checkpoints} if checkpoints is not None else {}),
         )
         response = await self._send(
-            "POST", "/v1/sessions", json=body.model_dump(mode="json", exclude_none=True)
+            "POST",
+            "/v1/sessions",
+            json=body.model_dump(mode="json", exclude_none=True, exclude_unset=True),
         )
         return AsyncSession(self, _parse(SessionInfo, response))
 
@@ -531,6 +539,16 @@ class AsyncSession:
         response = await self.hub._send("POST", f"/v1/sessions/{quote(self.id, safe='')}/snapshots")
         return _parse(SnapshotInfo, response)
 
+    async def rewind(self, before_cell: int) -> RewindReport:
+        """Undo cell ``before_cell`` and everything after it (sessions created with
+        ``checkpoints``): the kernel comes back as it was before that cell."""
+        response = await self.hub._send(
+            "POST",
+            f"/v1/sessions/{quote(self.id, safe='')}/rewind",
+            json={"before_cell": before_cell},
+        )
+        return _parse(RewindReport, response)
+
     async def pause(self) -> SessionInfo:
         """Freeze the whole sandbox: no CPU, the running cell shows ``paused`` and its
         timeout stops; execute/interrupt answer 409 until :meth:`resume`."""
@@ -556,6 +574,14 @@ class AsyncSession:
         await self.hub._send(
             "POST", f"/v1/executions/{quote(execution_id, safe='')}/input", json={"value": value}
         )
+
+    async def notebook(self, *, html: bool = False) -> bytes:
+        """The session's executions so far as a Jupyter notebook (``.ipynb`` JSON), or with
+        ``html`` as one self-contained, script-free HTML page."""
+        response = await self.hub._send(
+            "GET", f"{self._path}/notebook?format={'html' if html else 'ipynb'}", replay_safe=True
+        )
+        return response.content
 
     async def events(self, since: int = 0) -> AsyncGenerator[Event, None]:
         """Every event of every execution in this session with ``seq > since``, then live
