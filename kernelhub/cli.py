@@ -35,7 +35,18 @@ DEMO_CELLS = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kernelhub", description=__doc__)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["mcp"]:
+        # The MCP server parses its own options (kernelhub[agents]).
+        from kernelhub.agents.mcp_server import main as mcp_main
+
+        mcp_main(args_list[1:])
+        return 0
+    parser = argparse.ArgumentParser(
+        prog="kernelhub",
+        description=__doc__,
+        epilog="kernelhub mcp [--transport stdio|http] ...: the MCP server (see --help there)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="open a session, run a few cells, stream their output")
@@ -54,6 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rm = sessions_sub.add_parser("rm", help="delete sessions")
     rm.add_argument("ids", nargs="+")
     _gateway_args(rm)
+
+    export = sub.add_parser("export", help="save a session's cells and outputs as a notebook")
+    export.add_argument("session", help="the session id")
+    export.add_argument("-o", "--output", type=Path, default=None, help="default: SESSION.ipynb")
+    export.add_argument("--html", action="store_true", help="a self-contained HTML page instead")
+    _gateway_args(export)
 
     image = sub.add_parser("image", help="the kernel image")
     image_sub = image.add_subparsers(dest="image_command", required=True)
@@ -96,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _exec(args, code)
         if args.command == "sessions":
             return _sessions(args)
+        if args.command == "export":
+            return _export(args)
         if args.command == "image" and args.image_command == "build-gateway":
             return _image_build_gateway(settings, args)
         if args.command == "image":
@@ -223,6 +242,14 @@ def _sessions(args: argparse.Namespace) -> int:
             for sid in args.ids:
                 hub.session(sid).delete()
                 print(f"deleted {sid}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    out = args.output or Path(f"{args.session}.{'html' if args.html else 'ipynb'}")
+    with _hub(args) as hub:
+        out.write_bytes(hub.session(args.session).notebook(html=args.html))
+    print(f"wrote {out}")
     return 0
 
 
