@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Request, Response
+import nbformat
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kernelhub.export import to_html, to_notebook
 from kernelhub.gateway.auth import admin, client_address, principal
 from kernelhub.session.manager import SessionManager
 from kernelhub.store.sqlite import Principal, StoredExecution
@@ -227,3 +229,39 @@ async def admin_sessions(request: Request, caller: Admin) -> SessionList:
 @router.post("/v1/admin/stop-all", responses=ERRORS, tags=["admin"])
 async def admin_stop_all(request: Request, caller: Admin) -> dict[str, int]:
     return {"stopped": await manager(request).stop_all(caller, client_address(request))}
+
+
+# -- notebook export ---------------------------------------------------------------------
+
+
+@router.get(
+    "/v1/sessions/{session_id}/notebook",
+    responses={
+        **ERRORS,
+        200: {"content": {"application/x-ipynb+json": {}, "text/html": {}}},
+    },
+    tags=["sessions"],
+)
+async def export_notebook(
+    session_id: str,
+    request: Request,
+    caller: Caller,
+    fmt: Annotated[Literal["ipynb", "html"], Query(alias="format")] = "ipynb",
+) -> Response:
+    """The session's executions as a Jupyter notebook (nbformat 4), or with
+    ``format=html`` as a self-contained, script-free page. Cells that did not complete are
+    marked, and tagged ``kernelhub-skip-rerun`` for anyone re-executing the notebook."""
+    info = await manager(request).info(caller, session_id)  # NotFoundError unless yours
+    store = request.app.state.store
+    executions = [
+        (row, await store.events_of(row.id)) for row in await store.executions_of(session_id)
+    ]
+    nb = await asyncio.to_thread(to_notebook, info, executions)
+    if fmt == "html":
+        return Response(await asyncio.to_thread(to_html, nb), media_type="text/html")
+    body = await asyncio.to_thread(nbformat.writes, nb)
+    return Response(
+        body,
+        media_type="application/x-ipynb+json",
+        headers={"Content-Disposition": f'attachment; filename="{session_id}.ipynb"'},
+    )

@@ -384,6 +384,15 @@ class SqliteStore:
         )
         return [_execution(r) for r in rows]
 
+    async def executions_of(self, session_id: str) -> list[StoredExecution]:
+        """Every execution of a session, oldest first (for exports)."""
+        rows = await self._run(
+            self._q,
+            "SELECT * FROM executions WHERE session_id = ? ORDER BY created_at, rowid",
+            (session_id,),
+        )
+        return [_execution(r) for r in rows]
+
     # -- events ------------------------------------------------------------------------
 
     async def append_events(self, session_id: str, events: Sequence[tuple[int, str, str]]) -> None:
