@@ -97,6 +97,11 @@ class GatewaySettings(BaseModel):
         description="seconds idle before a session is snapshotted and its sandbox removed "
         "(it wakes on next use); None keeps sandboxes up",
     )
+    recover_crashed: bool = Field(
+        True,
+        description="bring a session whose kernel died back from its last checkpoint "
+        "(sessions created with checkpoints)",
+    )
     snapshot_timeout: float = Field(
         600.0, gt=0, description="seconds a capture or restore may take"
     )

@@ -280,8 +280,9 @@ class KernelSession:
     def exit_info(self) -> ExitInfo | None:
         return self._exit
 
-    async def close(self) -> None:
-        """Stop the kernel and release the sandbox. Queued cells end as ``cancelled``."""
+    async def close(self, *, keep_state: bool = False) -> None:
+        """Stop the kernel and release the sandbox. Queued cells end as ``cancelled``.
+        ``keep_state`` leaves the session's checkpoints for a successor (crash recovery)."""
         if self._closed:
             return
         await self.detach()
@@ -297,7 +298,7 @@ class KernelSession:
             _, handle, done = self._active
             if not done.done():
                 done.set_exception(SessionClosedError("session closed"))
-        await self.sandbox.remove()
+        await self.sandbox.remove(keep_state=keep_state)
 
     async def detach(self) -> None:
         """Stop talking to the kernel but leave its sandbox running (a gateway shutting

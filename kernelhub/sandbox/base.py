@@ -102,7 +102,9 @@ class Sandbox(abc.ABC):
     async def kill(self) -> None: ...
 
     @abc.abstractmethod
-    async def remove(self) -> None: ...
+    async def remove(self, *, keep_state: bool = False) -> None:
+        """``keep_state``: leave the state directory (checkpoints) for a successor
+        sandbox of the same session — crash recovery."""
 
     @abc.abstractmethod
     def usage(self) -> ResourceUsage: ...
@@ -171,6 +173,10 @@ class SandboxBackend(abc.ABC):
         kernelhub process with the same instance label, or None if it is gone (or this
         backend's sandboxes cannot outlive their creator)."""
         return None
+
+    async def drop_state(self, session_id: str) -> None:  # noqa: B027 - optional
+        """Remove the session's state directory (its snapshots and checkpoints): when the
+        session is deleted, or dead for good."""
 
     @abc.abstractmethod
     async def reap_orphans(self) -> int:

@@ -42,6 +42,7 @@ from kernelhub.sandbox.docker_config import container_config
 from kernelhub.sandbox.exit import describe_exit
 from kernelhub.sandbox.files import FILES_MODULE, demux, file_error, pump_upload
 from kernelhub.sandbox.seccomp import profile_json
+from kernelhub.sandbox.state import drop_state_dir, ensure_state_dir, state_dir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -220,7 +221,12 @@ class DockerBackend(SandboxBackend):
             for child in self.run_dir.iterdir():
                 if child.name not in owned and (child / "labels.json").is_file():
                     shutil.rmtree(child, ignore_errors=True)
+                elif child.name.endswith(".state") and child.name[: -len(".state")] not in owned:
+                    drop_state_dir(child)
         return removed
+
+    async def drop_state(self, session_id: str) -> None:
+        drop_state_dir(state_dir(self.run_dir, session_id))
 
     async def close(self) -> None:
         if self._events is not None:
@@ -251,6 +257,13 @@ class DockerSandbox(Sandbox):
                 labels=spec.labels(backend.instance),
                 kernel_ipc_prefix=f"{IPC_DIR}/{SOCKET_PREFIX}",
             )
+        self.state_dir = state_dir(backend.run_dir, spec.session_id)
+        ensure_state_dir(
+            self.state_dir,
+            uid=uid,
+            gid=SANDBOX_GID if _is_root() else _egid(),
+            size_bytes=spec.limits.tmp_bytes,
+        )
         self._exit: asyncio.Future[ExitInfo] = asyncio.get_running_loop().create_future()
 
     @property
@@ -266,6 +279,7 @@ class DockerSandbox(Sandbox):
             session_dir=self.session_dir,
             instance=b.instance,
             seccomp_profile=b._seccomp,
+            state_dir=self.state_dir,
         )
         if not _is_root():
             config["user"] = f"{_euid()}:{_egid()}"
@@ -319,7 +333,7 @@ class DockerSandbox(Sandbox):
     async def kill(self) -> None:
         await self._signal("SIGKILL")
 
-    async def remove(self) -> None:
+    async def remove(self, *, keep_state: bool = False) -> None:
         if self.container is not None:
             with contextlib.suppress(SandboxError):
                 await self.backend.call(self.container.remove, force=True, v=True)
@@ -328,6 +342,8 @@ class DockerSandbox(Sandbox):
         if not self._exit.done():
             self._exit.set_result(ExitInfo(reason="sandbox removed"))
         self.session_dir.remove()
+        if not keep_state:
+            drop_state_dir(self.state_dir)
 
     async def _exec_files(self, verb: str, path: str, max_bytes: int) -> tuple[str, Any]:
         """Start the files program in the container; returns the exec id and an asyncio

@@ -7,6 +7,7 @@ checks from inside a live container that they are really in force.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from docker.types import LogConfig, Mount, Ulimit
@@ -21,6 +22,7 @@ from kernelhub.image import (
 )
 from kernelhub.kernel.connection import SessionDir
 from kernelhub.sandbox.base import SandboxSpec
+from kernelhub.sandbox.state import SANDBOX_PATH as STATE_PATH
 
 SHM_BYTES = 64 * 1024 * 1024
 LOG_MAX_SIZE = "1m"  # the kernel's own output goes over ZeroMQ; the log only gets crashes
@@ -34,6 +36,7 @@ def container_config(
     session_dir: SessionDir,
     instance: str,
     seccomp_profile: str,
+    state_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``docker.from_env().containers.create``.
 
@@ -87,6 +90,12 @@ def container_config(
                 source=str(session_dir.connection_file),
                 type="bind",
                 read_only=True,
+            ),
+            # Snapshots and checkpoints: outlives this container (see sandbox/state.py).
+            *(
+                [Mount(target=STATE_PATH, source=str(state_dir), type="bind")]
+                if state_dir is not None
+                else []
             ),
         ],
         "log_config": LogConfig(

@@ -35,6 +35,8 @@ from kernelhub.sandbox.base import ExitInfo, Sandbox, SandboxBackend, SandboxSpe
 from kernelhub.sandbox.exit import describe_exit
 from kernelhub.sandbox.files import FILES_MODULE, file_error, pump_upload
 from kernelhub.sandbox.seccomp import compile_bpf
+from kernelhub.sandbox.state import SANDBOX_PATH as STATE_PATH
+from kernelhub.sandbox.state import drop_state_dir, ensure_state_dir, state_dir
 
 # System paths the kernel may read. Home directories, /root, /srv, /var and kernelhub's own
 # data directory are not among them.
@@ -123,7 +125,14 @@ class LocalBackend(SandboxBackend):
             for child in self.run_dir.iterdir():
                 if child.name not in self._live and (child / "labels.json").is_file():
                     shutil.rmtree(child, ignore_errors=True)
+                elif (
+                    child.name.endswith(".state") and child.name[: -len(".state")] not in self._live
+                ):
+                    drop_state_dir(child)
         return removed
+
+    async def drop_state(self, session_id: str) -> None:
+        drop_state_dir(state_dir(self.run_dir, session_id))
 
     async def close(self) -> None:
         if self._bpf is not None:
@@ -147,10 +156,12 @@ class LocalSandbox(Sandbox):
         )
         self._workspace = self.session_dir.root / "workspace"
         self._workspace.mkdir(mode=0o700)
-        # Where the kernel writes snapshots (its /tmp/.kernelhub); on the host so that
-        # the files program, run here, can pack and unpack them.
-        self._snapshots = self.session_dir.root / "snapshots"
-        self._snapshots.mkdir(mode=0o700)
+        # Where the kernel writes snapshots and checkpoints (its /tmp/.kernelhub): on the
+        # host, outliving this sandbox (see sandbox/state.py).
+        self._snapshots = state_dir(backend.run_dir, spec.session_id)
+        ensure_state_dir(
+            self._snapshots, uid=os.geteuid(), gid=os.getegid(), size_bytes=spec.limits.tmp_bytes
+        )
         backend._live.add(spec.session_id)
 
     @property
@@ -172,7 +183,7 @@ class LocalSandbox(Sandbox):
             "MPLCONFIGDIR": f"{tmp}/.matplotlib",
             "IPYTHONDIR": f"{tmp}/.ipython",
             "KERNELHUB_SESSION": self.spec.session_id,
-            "KERNELHUB_SNAPSHOTS": "/tmp/.kernelhub"
+            "KERNELHUB_SNAPSHOTS": STATE_PATH
             if not self.backend.unisolated
             else str(self._snapshots),
         }
@@ -244,7 +255,7 @@ class LocalSandbox(Sandbox):
             "--proc", "/proc",
             "--dev", "/dev",
             "--bind", str(self._workspace), WORKSPACE,
-            "--bind", str(self._snapshots), "/tmp/.kernelhub",
+            "--bind", str(self._snapshots), STATE_PATH,
             "--bind", str(self.session_dir.ipc_dir), IPC_DIR,
             "--ro-bind", str(self.session_dir.connection_file), CONNECTION_FILE,
             "--chdir", WORKSPACE,
@@ -336,7 +347,7 @@ class LocalSandbox(Sandbox):
             os.killpg(self.proc.pid, signal.SIGKILL)
         await self.proc.wait()
 
-    async def remove(self) -> None:
+    async def remove(self, *, keep_state: bool = False) -> None:
         await self.kill()
         task = getattr(self, "_stderr_task", None)
         if task is not None:
@@ -344,6 +355,8 @@ class LocalSandbox(Sandbox):
                 await asyncio.wait_for(task, 1.0)
         self.backend._live.discard(self.spec.session_id)
         self.session_dir.remove()
+        if not keep_state:
+            drop_state_dir(self._snapshots)
 
     async def _files(self, verb: str, path: str, max_bytes: int) -> asyncio.subprocess.Process:
         # The workspace is a host directory here; the same program that guards it inside a

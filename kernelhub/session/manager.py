@@ -78,6 +78,7 @@ class LiveSession:
     codes: dict[str, str] = field(default_factory=dict)  # running execution id -> code
     last_active: float = field(default_factory=time.monotonic)
     checkpoint_policy: str | float = "off"
+    since_checkpoint: list[str] = field(default_factory=list)  # executions after the last one
     # (execution count after which it was taken, directory in the sandbox), oldest first
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
     last_checkpoint_at: float = 0.0
@@ -355,6 +356,8 @@ class SessionManager:
         live.fanout.publish(event)
         if isinstance(event, FinalEvent):
             live.last_active = time.monotonic()
+            if live.checkpoints or live.checkpoint_policy != "off":
+                live.since_checkpoint.append(event.execution_id)
             self._settled[event.execution_id] = asyncio.get_running_loop().create_future()
             self._recent_records[event.execution_id] = event.record
             while len(self._recent_records) > 1024:
@@ -420,8 +423,73 @@ class SessionManager:
     async def _watch(self, live: LiveSession, kernel: KernelSession) -> None:
         info = await kernel.sandbox.wait_exit()
         # A hibernating session removes its sandbox on purpose: not a death.
-        if live.kernel is kernel and live.state != SessionState.DELETED:
-            await self._mark_dead(live, info.reason)
+        if live.kernel is not kernel or live.state == SessionState.DELETED:
+            return
+        reason = info.reason
+        if self._recoverable(live):
+            try:
+                await self._recover(live, kernel, reason)
+                return
+            except KernelhubError as exc:
+                log.warning("session %s could not be recovered: %s", live.id, exc)
+                reason = f"{reason}; recovery from the last checkpoint failed: {exc}"
+        await self._mark_dead(live, reason)
+
+    async def _recover(self, live: LiveSession, dead: KernelSession, reason: str) -> None:
+        """A fresh sandbox for the same session, restored from the last checkpoint (they
+        live in the session's state directory, which outlives sandboxes). The event stream
+        says so and names the executions whose effects were lost."""
+        for _ in range(300):  # let the dead cell's final record be emitted first
+            if dead.running is None:
+                break
+            await asyncio.sleep(0.01)
+        live.state = SessionState.STARTING
+        after, directory = live.checkpoints[-1]
+        saved = list(live.checkpoints)
+        lost = list(live.since_checkpoint)
+        await dead.close(keep_state=True)
+        t0 = time.monotonic()
+        kernel = await KernelSession.start(
+            self.backend,
+            SandboxSpec(session_id=live.id, owner=live.stored.owner, limits=live.limits),
+            engine=self.settings.engine,
+            first_seq=dead.last_seq,
+        )
+        self._bind(live, kernel)
+        live.checkpoints = saved
+        try:
+            result = calls.result(
+                await kernel.call(
+                    calls.restore(directory),
+                    calls.RESULT,
+                    timeout=self.settings.gateway.snapshot_timeout,
+                )
+            )
+        except BaseException:
+            live.kernel = None
+            await kernel.close()
+            raise
+        live.since_checkpoint = []
+        live.state = SessionState.READY
+        failed = dict(result.get("failed", {}))
+        message = (
+            f"the kernel died ({reason}); recovered in {time.monotonic() - t0:.2f} s in a fresh "
+            f"sandbox from the checkpoint after cell {after}"
+            + (f"; the effects of these executions were lost: {', '.join(lost)}" if lost else "")
+            + (f"; not restored: {failed}" if failed else "")
+        )
+        kernel._emit(None, NoticeEvent(execution_id="", seq=kernel._next_seq(), message=message))
+        await self.store.update_session(
+            live.id, state=SessionState.READY.value, reason=f"recovered: {reason}"
+        )
+        await self.store.audit(
+            AuditEntry(
+                principal=None,
+                action="session.recover",
+                session_id=live.id,
+                detail={"reason": reason, "checkpoint_after_cell": after, "lost": lost},
+            )
+        )
 
     async def _mark_dead(self, live: LiveSession, reason: str) -> None:
         live.state = SessionState.DEAD
@@ -448,7 +516,10 @@ class SessionManager:
             )
         live = self._get(principal, session_id)
         state = live.state
-        if state == SessionState.READY and live.kernel and live.kernel.paused:
+        if state == SessionState.READY and live.kernel and not live.kernel.alive:
+            # Died a moment ago; the watcher is about to recover it or declare it dead.
+            state = SessionState.STARTING if self._recoverable(live) else SessionState.DEAD
+        elif state == SessionState.READY and live.kernel and live.kernel.paused:
             state = SessionState.PAUSED
         elif state == SessionState.READY and live.kernel and live.kernel.running is not None:
             state = SessionState.BUSY
@@ -598,6 +669,7 @@ class SessionManager:
             log.warning("checkpoint after cell %s of session %s failed: %s", count, live.id, exc)
             return
         live.checkpoints.append((count, name))
+        live.since_checkpoint = []
         live.last_checkpoint_at = now
         while len(live.checkpoints) > self._MAX_CHECKPOINTS:
             _, old = live.checkpoints.pop(0)
@@ -718,9 +790,21 @@ class SessionManager:
             )
             log.info("session %s hibernated (snapshot %s)", live.id, info.id)
 
+    def _recoverable(self, live: LiveSession) -> bool:
+        return bool(live.checkpoints) and self.settings.gateway.recover_crashed
+
     async def _awake(self, live: LiveSession) -> KernelSession:
-        """The session's kernel, woken from hibernation first if need be."""
+        """The session's kernel, woken from hibernation first if need be, or after a
+        crash the recovered one (requests wait for the recovery rather than fail)."""
         live.last_active = time.monotonic()
+        deadline = time.monotonic() + self.settings.engine.start_timeout + 60
+        while (  # noqa: ASYNC110 - liveness is the engine's, recovery the watcher's; bounded poll
+            live.state in (SessionState.READY, SessionState.STARTING)
+            and (live.kernel is None or not live.kernel.alive)
+            and (live.state == SessionState.STARTING or self._recoverable(live))
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.05)
         if live.state != SessionState.HIBERNATED:
             return self._kernel(live)
         async with live.wake_lock:

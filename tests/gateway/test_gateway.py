@@ -779,3 +779,43 @@ async def test_checkpoints_let_a_failed_step_be_retried_from_before_it(
     await run(http, token, plain, "x = 1")
     r = await http.post(f"/v1/sessions/{plain}/rewind", json={"before_cell": 2}, headers=h)
     assert r.status_code == 409 and "checkpoints" in r.json()["message"]
+
+
+async def test_a_crashed_kernel_comes_back_from_its_last_checkpoint(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    h = auth(token)
+    body = {"checkpoints": "every_cell", "limits": {"memory_bytes": 256 * 2**20}}
+    sid = (await http.post("/v1/sessions", json=body, headers=h)).json()["id"]
+    await run(http, token, sid, "import numpy as np\nkept = np.arange(10)")
+    await run(http, token, sid, "also = {'a': 1}")
+    bomb = await run(
+        http,
+        token,
+        sid,
+        "blocks = []\nwhile True:\n    blocks.append(bytearray(32 * 2**20))",
+        timeout=60,
+    )
+    assert bomb["status"] == "kernel_died" and "out of memory" in bomb["record"]["reason"]
+    for _ in range(300):
+        info = (await http.get(f"/v1/sessions/{sid}", headers=h)).json()
+        if info["state"] == "ready":
+            break
+        await asyncio.sleep(0.1)
+    assert info["state"] == "ready", info
+    after = await run(http, token, sid, "print(int(kept.sum()), also['a'], 'blocks' in globals())")
+    assert stdout(after) == "45 1 False\n"
+    # The stream says what happened and names the execution whose effects were lost.
+    async with connect(
+        f"{gateway.ws_url}/v1/sessions/{sid}/stream?since=0", additional_headers=h
+    ) as ws:
+        notices = []
+        while True:
+            frame = json.loads(await asyncio.wait_for(ws.recv(), 10 * UNIT))
+            if frame["type"] == "event" and frame["event"]["type"] == "notice":
+                notices.append(frame["event"]["message"])
+            if frame["type"] == "event" and frame["event"]["seq"] >= after["events"][-1]["seq"]:
+                break
+    recovered = [n for n in notices if "recovered" in n]
+    assert recovered and "out of memory" in recovered[0] and bomb["id"] in recovered[0]
