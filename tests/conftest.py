@@ -90,6 +90,10 @@ def _remove_everything_this_run_made() -> object:
         pass
     import shutil
 
+    from kernelhub.sandbox.state import drop_state_dir
+
     for base in (Path("/tmp/khrun"), Path("/run/kernelhub-test")):
         for child in base.glob(f"{RUN_INSTANCE}*"):
+            for state in child.glob("*.state"):  # tmpfs mounts when root: unmount first
+                drop_state_dir(state)
             shutil.rmtree(child, ignore_errors=True)
