@@ -191,13 +191,35 @@ class ResumeFrame(_In):
     request_id: str | None = Field(None, max_length=200)
 
 
+class SnapshotFrame(_In):
+    """Take a snapshot; answered by ``SnapshotCreatedFrame``."""
+
+    type: Literal["snapshot"]
+    request_id: str | None = Field(None, max_length=200)
+
+
+class RewindFrame(_In):
+    """Undo cell ``before_cell`` and all after it; answered by ``RewoundFrame``."""
+
+    type: Literal["rewind"]
+    before_cell: int = Field(ge=1)
+    request_id: str | None = Field(None, max_length=200)
+
+
 class PingFrame(_In):
     type: Literal["ping"]
     request_id: str | None = Field(None, max_length=200)
 
 
 ClientFrame = Annotated[
-    ExecuteFrame | InterruptFrame | InputReplyFrame | PauseFrame | ResumeFrame | PingFrame,
+    ExecuteFrame
+    | InterruptFrame
+    | InputReplyFrame
+    | PauseFrame
+    | ResumeFrame
+    | SnapshotFrame
+    | RewindFrame
+    | PingFrame,
     Field(discriminator="type"),
 ]
 
@@ -225,6 +247,18 @@ class AcceptedFrame(BaseModel):
     execution_id: str
 
 
+class SnapshotCreatedFrame(BaseModel):
+    type: Literal["snapshot_created"] = "snapshot_created"
+    request_id: str | None = None
+    snapshot: SnapshotInfo
+
+
+class RewoundFrame(BaseModel):
+    type: Literal["rewound"] = "rewound"
+    request_id: str | None = None
+    report: RewindReport
+
+
 class PongFrame(BaseModel):
     type: Literal["pong"] = "pong"
     request_id: str | None = None
@@ -240,7 +274,13 @@ class ErrorFrame(BaseModel):
 
 
 ServerFrame = Annotated[
-    HelloFrame | EventFrame | AcceptedFrame | PongFrame | ErrorFrame,
+    HelloFrame
+    | EventFrame
+    | AcceptedFrame
+    | SnapshotCreatedFrame
+    | RewoundFrame
+    | PongFrame
+    | ErrorFrame,
     Field(discriminator="type"),
 ]
 

@@ -838,7 +838,7 @@ class _EventStream:
         if not isinstance(frame, ExecuteFrame):
             self._outbox.append(frame)
 
-    async def receive(self) -> EventFrame | AcceptedFrame | ErrorFrame | PongFrame:
+    async def receive(self) -> ServerFrame:
         while True:
             if self._ws is None:
                 await self._reconnect()

@@ -34,6 +34,10 @@ from kernelhub.wire import (
     PingFrame,
     PongFrame,
     ResumeFrame,
+    RewindFrame,
+    RewoundFrame,
+    SnapshotCreatedFrame,
+    SnapshotFrame,
 )
 
 log = logging.getLogger(__name__)
@@ -215,6 +219,16 @@ async def _handle(
         await manager.interrupt(principal, running.id)
     elif isinstance(frame, InputReplyFrame):
         await manager.send_input(principal, frame.execution_id, frame.value)
+    elif isinstance(frame, SnapshotFrame):
+        info = await manager.snapshot(principal, live.id, client)
+        await sender.send(
+            SnapshotCreatedFrame(request_id=frame.request_id, snapshot=info).model_dump_json()
+        )
+    elif isinstance(frame, RewindFrame):
+        report = await manager.rewind(principal, live.id, frame.before_cell, client)
+        await sender.send(
+            RewoundFrame(request_id=frame.request_id, report=report).model_dump_json()
+        )
     elif isinstance(frame, PauseFrame):
         await manager.pause(principal, live.id, client)
     elif isinstance(frame, ResumeFrame):

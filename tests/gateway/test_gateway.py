@@ -819,3 +819,28 @@ async def test_a_crashed_kernel_comes_back_from_its_last_checkpoint(
                 break
     recovered = [n for n in notices if "recovered" in n]
     assert recovered and "out of memory" in recovered[0] and bomb["id"] in recovered[0]
+
+
+async def test_snapshot_and_rewind_over_the_websocket(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    token = gateway.token("alice")
+    h = auth(token)
+    sid = (await http.post("/v1/sessions", json={"checkpoints": "every_cell"}, headers=h)).json()[
+        "id"
+    ]
+    await run(http, token, sid, "x = 1")
+    await run(http, token, sid, "x = 2")
+    async with connect(f"{gateway.ws_url}/v1/sessions/{sid}/stream", additional_headers=h) as ws:
+        await ws.send(json.dumps({"type": "snapshot", "request_id": "s"}))
+        await ws.send(json.dumps({"type": "rewind", "before_cell": 2, "request_id": "r"}))
+        answers: dict[str, Any] = {}
+        while len(answers) < 2:
+            frame = json.loads(await asyncio.wait_for(ws.recv(), 60 * UNIT))
+            if frame["type"] in ("snapshot_created", "rewound", "error"):
+                answers[frame["request_id"]] = frame
+    assert answers["s"]["type"] == "snapshot_created" and "x" in answers["s"]["snapshot"]["saved"]
+    assert (
+        answers["r"]["type"] == "rewound" and answers["r"]["report"]["checkpoint_after_cell"] == 1
+    )
+    assert stdout(await run(http, token, sid, "print(x)")) == "1\n"
