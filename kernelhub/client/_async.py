@@ -73,7 +73,6 @@ from kernelhub.wire import (
     InterruptFrame,
     LimitsIn,
     PingFrame,
-    PongFrame,
     RewindReport,
     ServerFrame,
     SessionCreate,
