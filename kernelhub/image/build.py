@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, Protocol, TypeVar
 
 import docker
 import docker.errors
@@ -218,18 +218,7 @@ def build_image(
 
         progress(f"==> [4/4] checking {tag}")
         info = check_image(client, tag)
-        if info.id != image_id:
-            raise ImageBuildError(
-                f"docker build produced {image_id} but {tag} is {info.id}; "
-                "another build may have run at the same time, retry"
-            )
-        if previous_id is not None and previous_id != info.id:
-            _remove_replaced(client, previous_id, progress)
-        progress(
-            f"built {tag} ({info.id[:19]}, {info.size_bytes / 2**20:.1f} MiB) "
-            f"in {time.monotonic() - started:.1f} s"
-        )
-        return info
+        return _settle_build(client, tag, info, image_id, previous_id, started, progress)
     finally:
         if own_client:
             client.close()
@@ -241,6 +230,41 @@ def _current_id(client: docker.DockerClient, tag: str) -> str | None:
             return str(client.images.get(tag).id)
         except docker.errors.ImageNotFound:
             return None
+
+
+class _Built(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def size_bytes(self) -> int: ...
+
+
+_B = TypeVar("_B", bound=_Built)
+
+
+def _settle_build(
+    client: docker.DockerClient,
+    tag: str,
+    info: _B,
+    image_id: str,
+    previous_id: str | None,
+    started: float,
+    progress: Callable[[str], None],
+) -> _B:
+    """The last step of every image build: the tag must point at what this build made
+    (refuse a race with another build), the image it replaced goes, and say so."""
+    if info.id != image_id:
+        raise ImageBuildError(
+            f"docker build produced {image_id} but {tag} is {info.id}; "
+            "another build may have run at the same time, retry"
+        )
+    if previous_id is not None and previous_id != info.id:
+        _remove_replaced(client, previous_id, progress)
+    progress(
+        f"built {tag} ({info.id[:19]}, {info.size_bytes / 2**20:.1f} MiB) "
+        f"in {time.monotonic() - started:.1f} s"
+    )
+    return info
 
 
 def _remove_replaced(

@@ -45,7 +45,7 @@ from kernelhub.image.build import (
     _current_id,
     _docker_build,
     _make_client,
-    _remove_replaced,
+    _settle_build,
     resolve_base,
 )
 from kernelhub.image.docker_errors import docker_errors
@@ -291,18 +291,7 @@ def build_gateway_image(
 
         progress(f"==> [5/5] checking {tag}")
         info = check_gateway_image(client, tag, version=version)
-        if info.id != image_id:
-            raise ImageBuildError(
-                f"docker build produced {image_id} but {tag} is {info.id}; "
-                "another build may have run at the same time, retry"
-            )
-        if previous_id is not None and previous_id != info.id:
-            _remove_replaced(client, previous_id, progress)
-        progress(
-            f"built {tag} ({info.id[:19]}, {info.size_bytes / 2**20:.1f} MiB) "
-            f"in {time.monotonic() - started:.1f} s"
-        )
-        return info
+        return _settle_build(client, tag, info, image_id, previous_id, started, progress)
     finally:
         if own_client:
             client.close()

@@ -348,9 +348,7 @@ class SessionManager:
         live.checkpoints = []  # they live in the sandbox: a new sandbox has none
         kernel.after_cell = lambda handle: self._checkpoint(live, kernel, handle)
         kernel.add_listener(lambda event: self._on_event(live, event))
-        task = asyncio.create_task(self._watch(live, kernel))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._watch(live, kernel))
 
     def _on_event(self, live: LiveSession, event: Event) -> None:
         live.fanout.publish(event)
@@ -362,9 +360,7 @@ class SessionManager:
             self._recent_records[event.execution_id] = event.record
             while len(self._recent_records) > 1024:
                 self._recent_records.popitem(last=False)
-            task = asyncio.create_task(self._finished(live, event.record))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._finished(live, event.record))
         elif isinstance(event, InputReplyEvent):
             # Who answered (a principal, or the deadline), when, and what.
             entry = AuditEntry(
@@ -374,9 +370,7 @@ class SessionManager:
                 execution_id=event.execution_id,
                 detail={"value": event.value, "password": event.password},
             )
-            task = asyncio.create_task(self.store.audit(entry))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self.store.audit(entry))
 
     async def _finished(self, live: LiveSession, record: ExecutionRecord) -> None:
         try:
