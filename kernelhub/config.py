@@ -127,6 +127,35 @@ class GatewaySettings(BaseModel):
     )
 
 
+class PoolSettings(BaseModel):
+    """Warm pool: sandboxes started ahead of demand, each handed to exactly one session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="ready sandboxes with running kernels kept for new sessions with the "
+        "default limits; 0 turns the pool off",
+    )
+    refill_concurrency: int = Field(
+        1, ge=1, le=8, description="sandboxes started at once while refilling"
+    )
+
+
+class BatchSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    concurrency: int = Field(
+        4, ge=1, le=256, description="batch items running at once, all batches together"
+    )
+    max_queued_items: int = Field(
+        1000, ge=1, description="items waiting to run, all batches; beyond it: 429"
+    )
+    max_items: int = Field(500, ge=1, description="items in one batch")
+
+
 class Settings(BaseSettings):
     """Everything kernelhub can be told. Variables: ``KERNELHUB_<FIELD>``, nested with ``__``
     (``KERNELHUB_LIMITS__CELL_TIMEOUT=60``)."""
@@ -146,6 +175,8 @@ class Settings(BaseSettings):
     local: LocalSettings = Field(default_factory=LocalSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    pool: PoolSettings = Field(default_factory=PoolSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
 
     @field_validator("run_dir")
     @classmethod

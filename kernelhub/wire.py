@@ -88,6 +88,7 @@ class SessionInfo(BaseModel):
     metadata: dict[str, Any]
     last_seq: int = 0
     reason: str | None = None
+    warm: bool = Field(False, description="its sandbox came ready from the warm pool")
     restore: RestoreReport | None = Field(None, description="set when made from a snapshot")
 
 

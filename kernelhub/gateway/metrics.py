@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kernelhub.models import ExecutionRecord
@@ -60,7 +60,7 @@ class _LiveCollector(Collector):
     def __init__(self, manager: SessionManager) -> None:
         self.manager = manager
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         by_state: dict[str, int] = {}
         queued = GaugeMetricFamily("kernelhub_queue_length", "Executions waiting, all sessions")
         cpu = GaugeMetricFamily(
@@ -90,5 +90,20 @@ class _LiveCollector(Collector):
         queued.add_metric([], total_queued)
         yield sessions
         yield queued
+        pool = self.manager.pool
+        yield GaugeMetricFamily(
+            "kernelhub_pool_ready", "Warm sandboxes ready for new sessions", value=pool.ready
+        )
+        yield GaugeMetricFamily(
+            "kernelhub_pool_size", "Warm sandboxes the pool keeps (KERNELHUB_POOL__SIZE)",
+            value=pool.settings.size,
+        )  # fmt: skip
+        takes = CounterMetricFamily(
+            "kernelhub_pool_takes", "Sessions created with the pool on, by whether a warm "
+            "sandbox was ready", labels=["result"],
+        )  # fmt: skip
+        takes.add_metric(["hit"], pool.hits)
+        takes.add_metric(["miss"], pool.misses)
+        yield takes
         yield cpu
         yield mem

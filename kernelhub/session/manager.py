@@ -41,6 +41,7 @@ from kernelhub.models import (
 )
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.fanout import SessionFanout
+from kernelhub.session.pool import WarmPool
 from kernelhub.snapshot import calls
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store.sqlite import (
@@ -83,6 +84,7 @@ class LiveSession:
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
     last_checkpoint_at: float = 0.0
     hibernation: str | None = None  # the snapshot a hibernated session wakes from
+    warm: bool = False  # its sandbox came from the warm pool
     wake_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -121,6 +123,9 @@ class SessionManager:
         budget = settings.gateway.memory_budget_bytes
         self.memory_budget = (
             budget if budget is not None else int(psutil.virtual_memory().total * 0.8)
+        )
+        self.pool = WarmPool(
+            backend, settings.pool, settings.limits, self.settings.engine, room=self._pool_room
         )
 
     # -- start-up and shutdown ---------------------------------------------------------
@@ -170,6 +175,7 @@ class SessionManager:
             )
             log.info("re-adopted session %s", stored.id)
         await self.backend.reap_orphans()
+        self.pool.start()  # after the reap, which would take its sandboxes for orphans
         self._spawn(self._hibernate_idle())
 
     async def _finish_orphaned_executions(
@@ -214,6 +220,7 @@ class SessionManager:
         re-adopts them. (Use ``stop_all`` to stop sandboxes.)"""
         for task in list(self._tasks):
             task.cancel()
+        await self.pool.close()
         for live in self.sessions.values():
             if live.kernel is not None:
                 await live.kernel.detach()
@@ -252,11 +259,7 @@ class SessionManager:
         self, principal: Principal, body: SessionCreate, client: str | None = None
     ) -> SessionInfo:
         limits = self._limits(body.limits)
-        alive = [
-            s
-            for s in self.sessions.values()
-            if s.state not in (SessionState.DEAD, SessionState.DELETED)
-        ]
+        alive = self._alive()
         g = self.settings.gateway
         if len(alive) >= g.max_sessions:
             raise QuotaError(
@@ -269,6 +272,8 @@ class SessionManager:
                 f"you have {len(mine)} sessions, the most allowed per token; delete one first",
                 retry_after=10,
             )
+        # Pooled sandboxes give way to sessions: they are not counted here, and a cold
+        # start that needs their memory stops one (below).
         committed = sum(s.limits.memory_bytes for s in alive)
         if committed + limits.memory_bytes > self.memory_budget:
             raise QuotaError(
@@ -277,30 +282,42 @@ class SessionManager:
             )
         if len(str(body.metadata)) > 16_384:
             raise InvalidRequestError("metadata is larger than 16 KiB; store less")
+        t0 = time.monotonic()
+        warm = self.pool.take(limits)
         stored = StoredSession(
-            id=uuid.uuid4().hex[:16],
+            id=warm.sandbox.spec.session_id if warm else uuid.uuid4().hex[:16],
             owner=principal.name,
             backend=self.backend.name,
-            state=SessionState.STARTING.value,
+            state=(SessionState.READY if warm else SessionState.STARTING).value,
             created_at=datetime.now(UTC),
             limits=limits.model_dump(),
             metadata=dict(body.metadata),
             reason=None,
             deleted_at=None,
         )
-        await self.store.insert_session(stored)
-        live = LiveSession(stored=stored, limits=limits, fanout=self._fanout(stored.id))
+        try:
+            await self.store.insert_session(stored)
+        except BaseException:
+            if warm is not None:
+                self.pool._discard(warm)
+            raise
+        live = LiveSession(
+            stored=stored, limits=limits, fanout=self._fanout(stored.id), warm=warm is not None
+        )
         live.checkpoint_policy = (
             body.checkpoints if isinstance(body.checkpoints, str) else float(body.checkpoints)
         )
         self.sessions[stored.id] = live
-        t0 = time.monotonic()
         try:
-            kernel = await KernelSession.start(
-                self.backend,
-                SandboxSpec(session_id=stored.id, owner=principal.name, limits=limits),
-                engine=self.settings.engine,
-            )
+            if warm is not None:
+                kernel = warm
+            else:
+                await self._make_room(limits)
+                kernel = await KernelSession.start(
+                    self.backend,
+                    SandboxSpec(session_id=stored.id, owner=principal.name, limits=limits),
+                    engine=self.settings.engine,
+                )
         except KernelhubError as exc:
             await self._mark_dead(live, f"the sandbox failed to start: {exc}")
             await self.store.audit(
@@ -324,7 +341,8 @@ class SessionManager:
                 await self.delete(principal, stored.id, client)
                 raise
         live.state = SessionState.READY
-        await self.store.update_session(stored.id, state=live.state.value)
+        if warm is None:
+            await self.store.update_session(stored.id, state=live.state.value)
         await self.store.audit(
             AuditEntry(
                 principal=principal.name,
@@ -333,10 +351,33 @@ class SessionManager:
                 status="ok",
                 client=client,
                 duration=time.monotonic() - t0,
+                detail={"warm": True} if warm else None,
             )
         )
         info = await self.info(principal, stored.id)
         return info.model_copy(update={"restore": report}) if report else info
+
+    def _alive(self) -> list[LiveSession]:
+        return [
+            s
+            for s in self.sessions.values()
+            if s.state not in (SessionState.DEAD, SessionState.DELETED)
+        ]
+
+    def _pool_room(self) -> bool:
+        """Whether one more pooled sandbox fits: never at the expense of a session."""
+        alive = self._alive()
+        if len(alive) + self.pool.ready >= self.settings.gateway.max_sessions:
+            return False
+        committed = sum(s.limits.memory_bytes for s in alive) + self.pool.committed_bytes
+        return committed + self.pool.limits.memory_bytes <= self.memory_budget
+
+    async def _make_room(self, limits: Limits) -> None:
+        """Stop pooled sandboxes whose memory a cold-started session needs."""
+        committed = sum(s.limits.memory_bytes for s in self._alive())
+        while committed + self.pool.committed_bytes + limits.memory_bytes > self.memory_budget:
+            if not await self.pool.evict():
+                break
 
     def _spawn(self, coro: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -488,6 +529,7 @@ class SessionManager:
     async def _mark_dead(self, live: LiveSession, reason: str) -> None:
         live.state = SessionState.DEAD
         live.reason = reason
+        self.pool.poke()
         await self.store.update_session(live.id, state=SessionState.DEAD.value, reason=reason)
 
     def _get(self, principal: Principal, session_id: str) -> LiveSession:
@@ -518,7 +560,7 @@ class SessionManager:
         elif state == SessionState.READY and live.kernel and live.kernel.running is not None:
             state = SessionState.BUSY
         last = live.kernel.last_seq if live.kernel else await self.store.last_seq(session_id)
-        return _info(live.stored, state, live.reason, last)
+        return _info(live.stored, state, live.reason, last, warm=live.warm)
 
     async def list_sessions(
         self, principal: Principal, *, everyone: bool = False
@@ -546,6 +588,7 @@ class SessionManager:
         await live.fanout.close()
         await self.store.update_session(session_id, state=SessionState.DELETED.value, deleted=True)
         del self.sessions[session_id]
+        self.pool.poke()
         await self.store.audit(
             AuditEntry(
                 principal=principal.name,
@@ -561,6 +604,8 @@ class SessionManager:
         for sid in ids:
             with contextlib.suppress(KernelhubError):
                 await self.delete(principal, sid, client)
+        # Pooled sandboxes ran nobody's code, but an emergency stop means nothing running.
+        await self.pool.drain()
         await self.store.audit(
             AuditEntry(
                 principal=principal.name,
@@ -768,9 +813,11 @@ class SessionManager:
             owner = Principal(name=live.stored.owner)
             info = await self.snapshot(owner, live.id, None, kind="hibernation")
             kernel, live.kernel = live.kernel, None
+            # Listed as hibernated only once the sandbox is really gone; a request that
+            # arrives meanwhile waits on the lock (see _awake) and then wakes the session.
+            await kernel.close()
             live.hibernation = info.id
             live.state = SessionState.HIBERNATED
-            await kernel.close()
             await self.store.update_session(
                 live.id, state=SessionState.HIBERNATED.value, reason=f"hibernation:{info.id}"
             )
@@ -791,6 +838,9 @@ class SessionManager:
         """The session's kernel, woken from hibernation first if need be, or after a
         crash the recovered one (requests wait for the recovery rather than fail)."""
         live.last_active = time.monotonic()
+        if live.kernel is None and live.wake_lock.locked():
+            async with live.wake_lock:  # a hibernation in progress: let it finish
+                pass
         deadline = time.monotonic() + self.settings.engine.start_timeout + 60
         while (  # noqa: ASYNC110 - liveness is the engine's, recovery the watcher's; bounded poll
             live.state in (SessionState.READY, SessionState.STARTING)
@@ -1121,7 +1171,9 @@ def _snapshot_info(s: StoredSnapshot) -> SnapshotInfo:
     )
 
 
-def _info(s: StoredSession, state: SessionState, reason: str | None, last_seq: int) -> SessionInfo:
+def _info(
+    s: StoredSession, state: SessionState, reason: str | None, last_seq: int, *, warm: bool = False
+) -> SessionInfo:
     limits = dict(s.limits)
     limits["disk_bytes"] = limits.pop("workspace_bytes", None)
     return SessionInfo(
@@ -1134,4 +1186,5 @@ def _info(s: StoredSession, state: SessionState, reason: str | None, last_seq: i
         metadata=s.metadata,
         last_seq=last_seq,
         reason=reason,
+        warm=warm,
     )

@@ -38,6 +38,7 @@ class Gateway:
             "KERNELHUB_BACKEND": "docker",
             "KERNELHUB_GATEWAY__PORT": str(self.port),
             "KERNELHUB_GATEWAY__INSTANCE": f"{RUN_INSTANCE}-g",
+            "KERNELHUB_POOL__SIZE": "0",  # tests that want a warm pool ask for one
             **env,
         }
         self.proc: subprocess.Popen[bytes] | None = None
