@@ -324,6 +324,7 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
         port=gateway.port,
         log_level="warning",
         ws_max_size=4 * 2**20,
+        ws_per_message_deflate=gateway.ws_compression,
     )
     return 0
 

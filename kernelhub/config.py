@@ -113,6 +113,11 @@ class GatewaySettings(BaseModel):
         ge=64 * 1024,
         description="per WebSocket client; a client further behind is cut off",
     )
+    ws_compression: bool = Field(
+        False,
+        description="permessage-deflate on the WebSocket: saves bandwidth on slow links at "
+        "a CPU cost on every frame (off: clients are usually on loopback or a fast network)",
+    )
     max_limits: Limits = Field(
         default_factory=lambda: Limits(
             memory_bytes=8 * 1024 * MiB,

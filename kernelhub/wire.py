@@ -7,13 +7,15 @@ typo is an error, not a silently ignored option. ``PROTOCOL_VERSION`` is sent in
 
 from __future__ import annotations
 
+import base64
+import binascii
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kernelhub.models import Event, ExecutionRecord, ExecutionStatus
+from kernelhub.models import Event, Execution, ExecutionRecord, ExecutionStatus
 
 PROTOCOL_VERSION = 1
 MAX_CODE_CHARS = 1_000_000
@@ -140,6 +142,146 @@ class ExecutionInfo(BaseModel):
     created_at: datetime
     record: ExecutionRecord | None = None
     events: list[Event] | None = Field(None, description="outputs in order (when finished)")
+
+
+# -- batches ---------------------------------------------------------------------------
+
+MAX_BATCH_ITEMS = 10_000  # the wire's hard ceiling; the operator's is KERNELHUB_BATCH__MAX_ITEMS
+MAX_PATH_CHARS = 1024
+
+
+class BatchItemIn(_In):
+    """One unit of a batch: ``code`` run in a fresh session of its own, with ``files`` in
+    its /workspace first. Nothing carries over between items."""
+
+    code: str = Field(max_length=MAX_CODE_CHARS, description="the cell to run")
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="files written to /workspace before the code runs: path relative to "
+        "/workspace -> content, base64 (standard alphabet, padded). The request body's size "
+        "limit (KERNELHUB_GATEWAY__MAX_BODY_BYTES) caps them all together",
+    )
+    limits: LimitsIn = Field(
+        default_factory=LimitsIn, description="the item's session limits, as in SessionCreate"
+    )
+    timeout: float | None = Field(
+        None, gt=0, description="seconds the code may run; omit for the session's cell_timeout"
+    )
+    idempotency_key: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="unique per logical item and principal (shared by all your batches, "
+        "separate from execution keys): an item whose key was used before never runs; it "
+        "shows the result of the item that first used it",
+    )
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, files: dict[str, str]) -> dict[str, str]:
+        for path, content in files.items():
+            parts = path.split("/")
+            if (
+                not path
+                or len(path) > MAX_PATH_CHARS
+                or path.startswith("/")
+                or any(part in ("", ".", "..") for part in parts)
+                or "\x00" in path
+            ):
+                raise ValueError(
+                    f"file path {path[:100]!r} must be relative to /workspace, without empty, "
+                    "'.' or '..' segments (e.g. 'data/input.csv')"
+                )
+            try:
+                base64.b64decode(content, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ValueError(
+                    f"the content of file {path!r} is not valid base64: {exc}"
+                ) from exc
+        return files
+
+
+class BatchCreate(_In):
+    items: list[BatchItemIn] = Field(
+        min_length=1,
+        max_length=MAX_BATCH_ITEMS,
+        description="the items, run in this order as slots free up; at most "
+        "KERNELHUB_BATCH__MAX_ITEMS",
+    )
+    concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="items of this batch running at once; at most (and by default) the "
+        "gateway's KERNELHUB_BATCH__CONCURRENCY, which bounds all batches together",
+    )
+
+
+class BatchState(StrEnum):
+    QUEUED = "queued"  # no item has started yet
+    RUNNING = "running"
+    CANCELLING = "cancelling"  # cancelled; running items are being interrupted
+    FINISHED = "finished"  # every item has a final status
+    CANCELLED = "cancelled"  # cancelled, and every item has a final status
+
+
+class BatchItemRef(BaseModel):
+    batch_id: str
+    index: int
+
+
+class BatchItemInfo(BaseModel):
+    index: int = Field(description="position in the request's items, from 0")
+    status: ExecutionStatus = Field(
+        description="queued (waiting for a slot); running (its session starting, files "
+        "uploading or code running); then final: the execution's status, failed with "
+        "`error` when kernelhub could not run it, cancelled when the batch was cancelled "
+        "before it started"
+    )
+    duplicate_of: BatchItemRef | None = Field(
+        None,
+        description="the item that first used this item's idempotency key; this one did "
+        "not run, and shows that item's progress and result",
+    )
+    session_id: str | None = Field(None, description="the fresh session it ran in (deleted after)")
+    execution_id: str | None = None
+    queued_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    wait_seconds: float | None = Field(
+        None, description="seconds it waited for a slot (so far, while queued)"
+    )
+    error: str | None = Field(
+        None,
+        description="why kernelhub did not run it or stopped it, in words; an exception "
+        "raised by the code is in result.record.error",
+    )
+    result: ExecutionInfo | None = Field(
+        None,
+        description="the finished execution, as GET /v1/executions/{id} answers it "
+        "(omitted with results=false)",
+    )
+
+    @property
+    def execution(self) -> Execution | None:
+        """The finished execution (stdout, result, error ...), or None if it did not run."""
+        r = self.result
+        if r is None or r.record is None or r.events is None:
+            return None
+        return Execution(record=r.record, events=r.events)
+
+
+class BatchInfo(BaseModel):
+    id: str
+    owner: str
+    state: BatchState
+    created_at: datetime
+    concurrency: int = Field(description="items of this batch that may run at once")
+    counts: dict[str, int] = Field(description="items by status")
+    items: list[BatchItemInfo] | None = Field(None, description="omitted in listings")
+
+
+class BatchList(BaseModel):
+    batches: list[BatchInfo] = Field(description="your newest batches first (at most 100)")
 
 
 class InputReply(_In):

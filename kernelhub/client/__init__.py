@@ -15,7 +15,7 @@ exceptions below are for kernelhub refusing or failing. The protocol is in
 ``docs/protocol.md``.
 """
 
-from kernelhub.client._async import AsyncHub, AsyncSession, FileInfo
+from kernelhub.client._async import AsyncHub, AsyncSession, FileInfo, batch_item
 from kernelhub.client._sync import Hub, Session, SyncIterator
 from kernelhub.client.errors import (
     ApiError,
@@ -52,13 +52,26 @@ from kernelhub.models import (
     StreamEvent,
     TruncatedEvent,
 )
-from kernelhub.wire import ExecutionInfo, LimitsIn, SessionInfo, SessionState
+from kernelhub.wire import (
+    BatchInfo,
+    BatchItemIn,
+    BatchItemInfo,
+    BatchState,
+    ExecutionInfo,
+    LimitsIn,
+    SessionInfo,
+    SessionState,
+)
 
 __all__ = [
     "ApiError",
     "AsyncHub",
     "AsyncSession",
     "AuthError",
+    "BatchInfo",
+    "BatchItemIn",
+    "BatchItemInfo",
+    "BatchState",
     "CellError",
     "ClearOutputEvent",
     "ClientError",
@@ -96,4 +109,5 @@ __all__ = [
     "SyncIterator",
     "TooLargeError",
     "TruncatedEvent",
+    "batch_item",
 ]

@@ -11,6 +11,7 @@ No background tasks: every socket and request belongs to the call that opened it
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import inspect
 import json
@@ -25,6 +26,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Iterable,
+    Mapping,
 )
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -62,6 +64,11 @@ from kernelhub.models import (
 from kernelhub.wire import (
     PROTOCOL_VERSION,
     AcceptedFrame,
+    BatchCreate,
+    BatchInfo,
+    BatchItemIn,
+    BatchList,
+    BatchState,
     ErrorBody,
     ErrorFrame,
     EventFrame,
@@ -81,7 +88,7 @@ from kernelhub.wire import (
     SnapshotInfo,
 )
 
-__all__ = ["AsyncHub", "AsyncSession", "FileInfo"]
+__all__ = ["AsyncHub", "AsyncSession", "FileInfo", "batch_item"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -210,6 +217,30 @@ def _build(model: type[M], **fields: Any) -> M:
         raise api_error(None, "invalid_request", f"{model.__name__}: {where}", problems) from exc
 
 
+def batch_item(
+    code: str,
+    *,
+    files: Mapping[str, bytes | str] | None = None,
+    limits: LimitsIn | dict[str, Any] | None = None,
+    timeout: float | None = None,
+    idempotency_key: str | None = None,
+) -> BatchItemIn:
+    """One item for :meth:`AsyncHub.run_batch`: ``code`` to run in a fresh session with
+    ``files`` (path in /workspace -> bytes, or text as UTF-8) written there first."""
+    encoded = {
+        path: base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+        for path, data in (files or {}).items()
+    }
+    return _build(
+        BatchItemIn,
+        code=code,
+        files=encoded,
+        limits=limits or {},
+        timeout=timeout,
+        idempotency_key=idempotency_key,
+    )
+
+
 def _to_execution(info: ExecutionInfo) -> Execution:
     if info.record is None or info.events is None:
         raise ProtocolError(
@@ -319,6 +350,70 @@ class AsyncHub:
         except json.JSONDecodeError:
             return {"status": response.text.strip()}
         return body if isinstance(body, dict) else {"status": body}
+
+    # -- batches -----------------------------------------------------------------------
+
+    async def submit_batch(
+        self, items: Iterable[BatchItemIn | str], *, concurrency: int | None = None
+    ) -> BatchInfo:
+        """Queue a batch and return at once. Each item (a :func:`batch_item`, or just the
+        code) runs in a fresh session of its own. An item without an ``idempotency_key``
+        gets a fresh one, so a retried request never runs an item twice."""
+        given = [batch_item(i) if isinstance(i, str) else i for i in items]
+        keyed = [
+            i
+            if i.idempotency_key is not None
+            else i.model_copy(update={"idempotency_key": _new_id()})
+            for i in given
+        ]
+        body = _build(BatchCreate, items=keyed, concurrency=concurrency)
+        response = await self._send(
+            "POST",
+            "/v1/batches",
+            json=body.model_dump(mode="json", exclude_none=True),
+            replay_safe=True,  # every item carries a key: a replay runs nothing twice
+        )
+        return _parse(BatchInfo, response)
+
+    async def get_batch(self, batch_id: str, *, results: bool = True) -> BatchInfo:
+        """The batch and its items; with ``results`` each finished item's execution
+        (``item.execution`` gives it as an :class:`Execution`)."""
+        response = await self._send(
+            "GET",
+            f"/v1/batches/{quote(batch_id, safe='')}?results={str(results).lower()}",
+            replay_safe=True,
+        )
+        return _parse(BatchInfo, response)
+
+    async def list_batches(self) -> list[BatchInfo]:
+        """Your newest batches, without their items."""
+        return _parse(BatchList, await self._send("GET", "/v1/batches", replay_safe=True)).batches
+
+    async def cancel_batch(self, batch_id: str) -> BatchInfo:
+        """Cancel the queued items and interrupt the running ones."""
+        response = await self._send(
+            "POST", f"/v1/batches/{quote(batch_id, safe='')}/cancel", replay_safe=True
+        )
+        return _parse(BatchInfo, response)
+
+    async def wait_batch(self, batch_id: str) -> BatchInfo:
+        """Poll until every item has finished; then the batch with all results. Cancelling
+        the wait does not cancel the batch (:meth:`cancel_batch` does)."""
+        delay = 0.05
+        while True:
+            info = await self.get_batch(batch_id, results=False)
+            if info.state in (BatchState.FINISHED, BatchState.CANCELLED):
+                return await self.get_batch(batch_id)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _POLL_INTERVAL_MAX)
+
+    async def run_batch(
+        self, items: Iterable[BatchItemIn | str], *, concurrency: int | None = None
+    ) -> BatchInfo:
+        """Submit a batch and wait for it: ``[item.execution for item in info.items]``.
+        A failing item is data (its status and ``error``), never an exception."""
+        info = await self.submit_batch(items, concurrency=concurrency)
+        return await self.wait_batch(info.id)
 
     # -- transport ---------------------------------------------------------------------
 

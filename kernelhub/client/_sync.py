@@ -337,6 +337,12 @@ class Hub(_Twin[AsyncHub]):
     session = _forward_as(AsyncHub.session, Session)
     list_sessions = _forward(AsyncHub.list_sessions)
     health = _forward(AsyncHub.health)
+    submit_batch = _forward(AsyncHub.submit_batch)
+    get_batch = _forward(AsyncHub.get_batch)
+    list_batches = _forward(AsyncHub.list_batches)
+    cancel_batch = _forward(AsyncHub.cancel_batch)
+    wait_batch = _forward(AsyncHub.wait_batch)
+    run_batch = _forward(AsyncHub.run_batch)
 
     def close(self) -> None:
         """Close the connection pool and stop the background thread. Sessions stay alive

@@ -17,6 +17,7 @@ from kernelhub.gateway import errors, routes, stream
 from kernelhub.gateway.errors import error_response
 from kernelhub.gateway.metrics import Metrics
 from kernelhub.sandbox.backends import make_backend
+from kernelhub.session.batches import BatchObserver, BatchRunner
 from kernelhub.session.manager import Observer, SessionManager
 from kernelhub.store.sqlite import SqliteStore
 
@@ -56,18 +57,28 @@ def create_app(settings: Settings) -> FastAPI:
             settings, backend, store, Observer(on_start=metrics.on_start, on_final=metrics.on_final)
         )
         metrics.watch(manager)
+        batches = BatchRunner(
+            settings,
+            manager,
+            store,
+            BatchObserver(on_wait=metrics.on_batch_wait, on_finished=metrics.on_batch_item),
+        )
+        metrics.watch_batches(batches)
         app.state.settings = settings
         app.state.store = store
         app.state.manager = manager
+        app.state.batches = batches
         app.state.metrics = metrics
         app.state.ready = False
         try:
             await manager.start()
+            await batches.start()  # after the manager: it deletes leftover batch sessions
             app.state.ready = True
             log.info("kernelhub gateway ready on the %s backend", backend.name)
             yield
         finally:
             app.state.ready = False
+            await batches.close()  # before the manager: it records and deletes running items
             await manager.close()
             await backend.close()
             await store.close()

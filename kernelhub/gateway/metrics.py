@@ -9,9 +9,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kernelhub.models import ExecutionRecord
+from kernelhub.models import ExecutionRecord, ExecutionStatus
 
 if TYPE_CHECKING:
+    from kernelhub.session.batches import BatchRunner
     from kernelhub.session.manager import SessionManager
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -40,6 +41,14 @@ class Metrics:
             "kernelhub_session_start_seconds", "Session start latency (sandbox + kernel ready)",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.batch_wait_seconds = Histogram(
+            "kernelhub_batch_queue_wait_seconds", "Time batch items waited for a slot",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.batch_items = Counter(
+            "kernelhub_batch_items", "Finished batch items by status", ["status"],
+            registry=self.registry,
+        )  # fmt: skip
 
     def on_final(self, record: ExecutionRecord) -> None:
         self.executions.labels(record.status.value).inc()
@@ -52,6 +61,32 @@ class Metrics:
 
     def watch(self, manager: SessionManager) -> None:
         self.registry.register(_LiveCollector(manager))
+
+    def on_batch_wait(self, seconds: float) -> None:
+        self.batch_wait_seconds.observe(seconds)
+
+    def on_batch_item(self, status: ExecutionStatus) -> None:
+        self.batch_items.labels(status.value).inc()
+
+    def watch_batches(self, runner: BatchRunner) -> None:
+        self.registry.register(_BatchCollector(runner))
+
+
+class _BatchCollector(Collector):
+    """Read at scrape time: batch items waiting for a slot, and running."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "kernelhub_batch_queue_length", "Batch items waiting for a slot, all batches",
+            value=self.runner.queue_length,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kernelhub_batch_items_running", "Batch items running (KERNELHUB_BATCH__CONCURRENCY at most)",
+            value=self.runner.running,
+        )  # fmt: skip
 
 
 class _LiveCollector(Collector):

@@ -13,9 +13,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kernelhub.export import to_html, to_notebook
 from kernelhub.gateway.auth import admin, client_address, principal
+from kernelhub.session.batches import BatchRunner
 from kernelhub.session.manager import SessionManager
 from kernelhub.store.sqlite import Principal, StoredExecution
 from kernelhub.wire import (
+    BatchCreate,
+    BatchInfo,
+    BatchList,
     ErrorBody,
     ExecutionCreate,
     ExecutionInfo,
@@ -40,6 +44,11 @@ ERRORS: dict[int | str, dict[str, object]] = {
 def manager(request: Request) -> SessionManager:
     m: SessionManager = request.app.state.manager
     return m
+
+
+def batches(request: Request) -> BatchRunner:
+    b: BatchRunner = request.app.state.batches
+    return b
 
 
 def _execution_info(row: StoredExecution, events: list | None) -> ExecutionInfo:  # type: ignore[type-arg]
@@ -219,6 +228,36 @@ async def download_file(
 ) -> StreamingResponse:
     chunks = await manager(request).download(caller, session_id, path, client_address(request))
     return StreamingResponse(chunks, media_type="application/octet-stream")
+
+
+# -- batches -----------------------------------------------------------------------------
+
+
+@router.post("/v1/batches", status_code=202, responses=ERRORS, tags=["batches"])
+async def create_batch(body: BatchCreate, request: Request, caller: Caller) -> BatchInfo:
+    """Run many items, each in a fresh session of its own, at most ``concurrency`` at a
+    time. Answers at once; poll ``GET /v1/batches/{id}``. ``429`` with ``Retry-After`` when
+    the gateway has too many items waiting."""
+    return await batches(request).submit(caller, body)
+
+
+@router.get("/v1/batches", responses=ERRORS, tags=["batches"])
+async def list_batches(request: Request, caller: Caller) -> BatchList:
+    return BatchList(batches=await batches(request).list_batches(caller))
+
+
+@router.get("/v1/batches/{batch_id}", responses=ERRORS, tags=["batches"])
+async def get_batch(
+    batch_id: str, request: Request, caller: Caller, results: bool = True
+) -> BatchInfo:
+    """``results=false`` leaves out the items' executions (cheap polling)."""
+    return await batches(request).info(caller, batch_id, results=results)
+
+
+@router.post("/v1/batches/{batch_id}/cancel", responses=ERRORS, tags=["batches"])
+async def cancel_batch(batch_id: str, request: Request, caller: Caller) -> BatchInfo:
+    """Queued items become ``cancelled``; running ones are interrupted."""
+    return await batches(request).cancel(caller, batch_id)
 
 
 @router.get("/v1/admin/sessions", responses=ERRORS, tags=["admin"])

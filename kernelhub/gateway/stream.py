@@ -123,7 +123,9 @@ async def _send_events(
     stall = manager.settings.gateway.stream_stall_timeout
 
     async def send(text: str) -> None:
-        await asyncio.wait_for(sender.send(text), stall)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for costs a task per frame.
+        async with asyncio.timeout(stall):
+            await sender.send(text)
 
     try:
         # Subscribed first, flushed second: every event is either in the store or queued.

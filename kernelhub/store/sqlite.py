@@ -79,6 +79,32 @@ CREATE TABLE IF NOT EXISTS snapshots (
   metadata TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS snapshots_owner ON snapshots(owner);
+CREATE TABLE IF NOT EXISTS batches (
+  id TEXT PRIMARY KEY,
+  owner TEXT NOT NULL,
+  created_at TEXT NOT NULL,
+  concurrency INTEGER NOT NULL,
+  cancelled_at TEXT
+);
+CREATE INDEX IF NOT EXISTS batches_owner ON batches(owner, created_at);
+CREATE TABLE IF NOT EXISTS batch_items (
+  batch_id TEXT NOT NULL REFERENCES batches(id),
+  idx INTEGER NOT NULL,
+  owner TEXT NOT NULL,
+  idempotency_key TEXT,
+  status TEXT NOT NULL,
+  session_id TEXT,
+  execution_id TEXT,
+  queued_at TEXT NOT NULL,
+  started_at TEXT,
+  finished_at TEXT,
+  error TEXT,
+  dup_batch_id TEXT,
+  dup_idx INTEGER,
+  PRIMARY KEY (batch_id, idx),
+  UNIQUE (owner, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS batch_items_status ON batch_items(status);
 CREATE TABLE IF NOT EXISTS audit (
   id INTEGER PRIMARY KEY,
   at TEXT NOT NULL,
@@ -154,6 +180,32 @@ class StoredSnapshot(BaseModel):
     metadata: dict[str, Any]
 
 
+class StoredBatch(BaseModel):
+    id: str
+    owner: str
+    created_at: datetime
+    concurrency: int
+    cancelled_at: datetime | None = None
+
+
+class StoredBatchItem(BaseModel):
+    """One item of a batch. A duplicate (its idempotency key was used before) never runs:
+    ``duplicate_of`` names the item that did, and reads show that item's progress."""
+
+    batch_id: str
+    index: int
+    owner: str
+    idempotency_key: str | None = None
+    status: ExecutionStatus = ExecutionStatus.QUEUED
+    session_id: str | None = None
+    execution_id: str | None = None
+    queued_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    error: str | None = None
+    duplicate_of: tuple[str, int] | None = None
+
+
 class AuditEntry(BaseModel):
     principal: str | None
     action: str
@@ -169,6 +221,10 @@ class AuditEntry(BaseModel):
     detail: dict[str, Any] | None = None
 
 
+_INLINE_BYTES = 64 * 1024  # larger event batches are written on the store thread
+_CHECKPOINT_BYTES = 4 * 2**20  # WAL growth between checkpoints
+
+
 class StoreError(KernelhubError):
     """The store could not do what was asked (it names the conflict)."""
 
@@ -180,6 +236,9 @@ class SqliteStore:
         self.path = path
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernelhub-store")
         self._db: sqlite3.Connection | None = None
+        self._queued = 0  # operations handed to the store thread and not finished yet
+        self._wal_bytes = 0  # appended since the last checkpoint
+        self._checkpoint: asyncio.Future[Any] | None = None
 
     @classmethod
     async def open(cls, path: Path) -> SqliteStore:
@@ -194,18 +253,52 @@ class SqliteStore:
         # NORMAL in WAL mode: a committed transaction survives a process crash (kill -9);
         # only an OS crash can lose the last few, which is the usual trade.
         db.execute("PRAGMA synchronous=NORMAL")
+        # Checkpoints (which fsync) run on the store thread, never inside a commit made
+        # on the event loop: see _run and append_events.
+        db.execute("PRAGMA wal_autocheckpoint=0")
         db.execute("PRAGMA foreign_keys=ON")
         db.executescript(SCHEMA)
         self._db = db
 
     async def close(self) -> None:
         if self._db is not None:
-            await self._run(self._db.close)
+            await self._off(self._db.close)
             self._db = None
         self._pool.shutdown(wait=True)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """A small operation (a few rows): run right here on the event loop when the store
+        thread has nothing in hand, else queue it behind what it has (order is kept either
+        way, and one connection is never used by two threads at once). A thread round
+        trip costs about six times a small WAL commit, and most of the gateway's writes
+        sit on the path of a cell's events to its clients."""
+        if self._queued == 0 and self._db is not None:
+            return fn(*args)
+        return await self._off(fn, *args)
+
+    async def _off(self, fn: Callable[..., T], *args: Any) -> T:
+        """On the store thread: operations that may touch many rows or bytes."""
+        return await self._submit(fn, *args)
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        done = self._pool.submit(fn, *args)
+        self._queued += 1
+        # Counted down when the thread has really finished, even if the caller was
+        # cancelled meanwhile: only then may the loop use the connection again.
+        done.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished_one))
+        return asyncio.wrap_future(done)
+
+    def _finished_one(self) -> None:
+        self._queued -= 1
+
+    def _wal_grew(self, size: int) -> None:
+        self._wal_bytes += size
+        if self._wal_bytes >= _CHECKPOINT_BYTES and (
+            self._checkpoint is None or self._checkpoint.done()
+        ):
+            self._wal_bytes = 0
+            self._checkpoint = asyncio.ensure_future(self._off(self._q, "PRAGMA wal_checkpoint"))
 
     def _q(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
         assert self._db is not None
@@ -300,7 +393,7 @@ class SqliteStore:
             params.append(owner)
         if not include_deleted:
             sql += " AND deleted_at IS NULL"
-        rows = await self._run(self._q, sql + " ORDER BY created_at", params)
+        rows = await self._off(self._q, sql + " ORDER BY created_at", params)
         return [_session(r) for r in rows]
 
     # -- executions --------------------------------------------------------------------
@@ -316,7 +409,14 @@ class SqliteStore:
             "INSERT INTO executions (id, session_id, owner, code, status, idempotency_key,"
             " created_at) VALUES (?,?,?,?,?,?,?)"
         )
-        return asyncio.get_running_loop().run_in_executor(self._pool, self._q, sql, params)
+        if self._queued == 0 and self._db is not None:
+            done: asyncio.Future[list[sqlite3.Row]] = asyncio.get_running_loop().create_future()
+            try:
+                done.set_result(self._q(sql, params))
+            except Exception as exc:
+                done.set_exception(exc)
+            return done
+        return self._submit(self._q, sql, params)
 
     async def insert_execution(self, e: StoredExecution) -> StoredExecution:
         """Insert; if the owner already used the idempotency key, return that execution."""
@@ -377,7 +477,7 @@ class SqliteStore:
         return _execution(rows[0]) if rows else None
 
     async def unfinished_executions(self, session_id: str) -> list[StoredExecution]:
-        rows = await self._run(
+        rows = await self._off(
             self._q,
             "SELECT * FROM executions WHERE session_id = ? AND record IS NULL ORDER BY created_at",
             (session_id,),
@@ -386,7 +486,7 @@ class SqliteStore:
 
     async def executions_of(self, session_id: str) -> list[StoredExecution]:
         """Every execution of a session, oldest first (for exports)."""
-        rows = await self._run(
+        rows = await self._off(
             self._q,
             "SELECT * FROM executions WHERE session_id = ? ORDER BY created_at, rowid",
             (session_id,),
@@ -407,7 +507,9 @@ class SqliteStore:
                     [(session_id, seq, eid, body) for seq, eid, body in events],
                 )
 
-        await self._run(append)
+        size = sum(len(body) for _, _, body in events)
+        await (self._off(append) if size > _INLINE_BYTES else self._run(append))
+        self._wal_grew(size)
 
     async def events_since(
         self, session_id: str, since: int, limit: int = 1000, max_bytes: int = 4 * 2**20
@@ -432,10 +534,10 @@ class SqliteStore:
             cur.close()
             return rows
 
-        return await self._run(page)
+        return await self._off(page)
 
     async def events_of(self, execution_id: str) -> list[Event]:
-        rows = await self._run(
+        rows = await self._off(
             self._q, "SELECT body FROM events WHERE execution_id = ? ORDER BY seq", (execution_id,)
         )
         return [_EVENT.validate_json(r[0]) for r in rows]
@@ -487,6 +589,170 @@ class SqliteStore:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._run(self._q, "DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
 
+    # -- batches -----------------------------------------------------------------------
+
+    async def insert_batch(
+        self, batch: StoredBatch, items: Sequence[StoredBatchItem]
+    ) -> list[StoredBatchItem]:
+        """Insert a batch and its items in one transaction. An item whose idempotency key
+        the owner already used (in an earlier batch, or earlier in this one) is stored as a
+        duplicate of that item, without the key; the items are returned as stored."""
+
+        def insert() -> list[StoredBatchItem]:
+            assert self._db is not None
+            stored: list[StoredBatchItem] = []
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.execute(
+                    "INSERT INTO batches (id, owner, created_at, concurrency) VALUES (?,?,?,?)",
+                    (batch.id, batch.owner, batch.created_at.isoformat(), batch.concurrency),
+                )
+                for item in items:
+                    if item.idempotency_key is not None:
+                        first = self._db.execute(
+                            "SELECT batch_id, idx FROM batch_items"
+                            " WHERE owner = ? AND idempotency_key = ?",
+                            (item.owner, item.idempotency_key),
+                        ).fetchone()
+                        if first is not None:
+                            item = item.model_copy(
+                                update={
+                                    "idempotency_key": None,
+                                    "duplicate_of": (first[0], first[1]),
+                                }
+                            )
+                    dup = item.duplicate_of
+                    self._db.execute(
+                        "INSERT INTO batch_items (batch_id, idx, owner, idempotency_key, status,"
+                        " queued_at, dup_batch_id, dup_idx) VALUES (?,?,?,?,?,?,?,?)",
+                        (
+                            item.batch_id,
+                            item.index,
+                            item.owner,
+                            item.idempotency_key,
+                            item.status.value,
+                            item.queued_at.isoformat(),
+                            dup[0] if dup else None,
+                            dup[1] if dup else None,
+                        ),
+                    )
+                    stored.append(item)
+            return stored
+
+        return await self._run(insert)
+
+    async def used_batch_keys(self, owner: str, keys: Sequence[str]) -> set[str]:
+        """Which of ``keys`` the owner has already used for batch items."""
+        if not keys:
+            return set()
+        marks = ",".join("?" * len(keys))
+        rows = await self._run(
+            self._q,
+            f"SELECT idempotency_key FROM batch_items WHERE owner = ? AND idempotency_key IN ({marks})",
+            (owner, *keys),
+        )
+        return {r[0] for r in rows}
+
+    async def update_batch_item(
+        self,
+        batch_id: str,
+        index: int,
+        *,
+        status: ExecutionStatus | None = None,
+        session_id: str | None = None,
+        execution_id: str | None = None,
+        started_at: datetime | None = None,
+        finished_at: datetime | None = None,
+        error: str | None = None,
+        release_key: bool = False,
+    ) -> None:
+        """Set the given fields (None leaves one as it is). ``release_key`` frees the item's
+        idempotency key, for an item whose code never reached a kernel: sent again, it runs."""
+        await self._run(
+            self._q,
+            "UPDATE batch_items SET status = COALESCE(?, status),"
+            " session_id = COALESCE(?, session_id), execution_id = COALESCE(?, execution_id),"
+            " started_at = COALESCE(?, started_at), finished_at = COALESCE(?, finished_at),"
+            " error = COALESCE(?, error),"
+            " idempotency_key = CASE WHEN ? THEN NULL ELSE idempotency_key END"
+            " WHERE batch_id = ? AND idx = ?",
+            (
+                status.value if status else None,
+                session_id,
+                execution_id,
+                started_at.isoformat() if started_at else None,
+                finished_at.isoformat() if finished_at else None,
+                error,
+                int(release_key),
+                batch_id,
+                index,
+            ),
+        )
+
+    async def cancel_batch(self, batch_id: str) -> None:
+        await self._run(
+            self._q,
+            "UPDATE batches SET cancelled_at = COALESCE(cancelled_at, ?) WHERE id = ?",
+            (now_iso(), batch_id),
+        )
+
+    async def get_batch(self, batch_id: str) -> StoredBatch | None:
+        rows = await self._run(self._q, "SELECT * FROM batches WHERE id = ?", (batch_id,))
+        return _batch(rows[0]) if rows else None
+
+    async def list_batches(self, owner: str, limit: int = 100) -> list[StoredBatch]:
+        """The owner's newest batches, newest first."""
+        rows = await self._off(
+            self._q,
+            "SELECT * FROM batches WHERE owner = ? ORDER BY created_at DESC LIMIT ?",
+            (owner, limit),
+        )
+        return [_batch(r) for r in rows]
+
+    # A duplicate shows the progress of the item it repeats (that item's columns).
+    _ITEMS = (
+        "SELECT i.batch_id, i.idx, i.owner, i.idempotency_key,"
+        " COALESCE(o.status, i.status), COALESCE(o.session_id, i.session_id),"
+        " COALESCE(o.execution_id, i.execution_id), i.queued_at,"
+        " COALESCE(o.started_at, i.started_at), COALESCE(o.finished_at, i.finished_at),"
+        " COALESCE(o.error, i.error), i.dup_batch_id, i.dup_idx"
+        " FROM batch_items i"
+        " LEFT JOIN batch_items o ON o.batch_id = i.dup_batch_id AND o.idx = i.dup_idx"
+    )
+
+    async def batch_items(self, batch_id: str) -> list[StoredBatchItem]:
+        """The batch's items in order; duplicates resolved to the item they repeat."""
+        rows = await self._off(
+            self._q, self._ITEMS + " WHERE i.batch_id = ? ORDER BY i.idx", (batch_id,)
+        )
+        return [_batch_item(r) for r in rows]
+
+    async def batch_statuses(self, batch_ids: Sequence[str]) -> dict[str, list[ExecutionStatus]]:
+        """Each batch's item statuses (duplicates resolved), for listings."""
+        if not batch_ids:
+            return {}
+        marks = ",".join("?" * len(batch_ids))
+        rows = await self._off(
+            self._q,
+            "SELECT i.batch_id, COALESCE(o.status, i.status) FROM batch_items i"
+            " LEFT JOIN batch_items o ON o.batch_id = i.dup_batch_id AND o.idx = i.dup_idx"
+            f" WHERE i.batch_id IN ({marks})",
+            tuple(batch_ids),
+        )
+        out: dict[str, list[ExecutionStatus]] = {b: [] for b in batch_ids}
+        for r in rows:
+            out[r[0]].append(ExecutionStatus(r[1]))
+        return out
+
+    async def unfinished_batch_items(self) -> list[StoredBatchItem]:
+        """Items a previous process left queued or running (never duplicates)."""
+        rows = await self._off(
+            self._q,
+            self._ITEMS + " WHERE i.status IN (?, ?) AND i.dup_batch_id IS NULL",
+            (ExecutionStatus.QUEUED.value, ExecutionStatus.RUNNING.value),
+        )
+        return [_batch_item(r) for r in rows]
+
     # -- audit -------------------------------------------------------------------------
 
     async def audit(self, entry: AuditEntry) -> None:
@@ -527,7 +793,38 @@ class SqliteStore:
             names = [d[0] for d in cur.description]
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
-        return await self._run(fetch)
+        return await self._off(fetch)
+
+
+def _time(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value) if value else None
+
+
+def _batch(r: sqlite3.Row) -> StoredBatch:
+    return StoredBatch(
+        id=r[0],
+        owner=r[1],
+        created_at=datetime.fromisoformat(r[2]),
+        concurrency=r[3],
+        cancelled_at=_time(r[4]),
+    )
+
+
+def _batch_item(r: sqlite3.Row) -> StoredBatchItem:
+    return StoredBatchItem(
+        batch_id=r[0],
+        index=r[1],
+        owner=r[2],
+        idempotency_key=r[3],
+        status=ExecutionStatus(r[4]),
+        session_id=r[5],
+        execution_id=r[6],
+        queued_at=datetime.fromisoformat(r[7]),
+        started_at=_time(r[8]),
+        finished_at=_time(r[9]),
+        error=r[10],
+        duplicate_of=(r[11], r[12]) if r[11] is not None else None,
+    )
 
 
 def _snapshot(r: sqlite3.Row) -> StoredSnapshot:

@@ -7,6 +7,7 @@ and the transcript must have no gap and no duplicate.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import email.utils
 import io
@@ -48,6 +49,7 @@ from kernelhub.client import (
     SessionEndedError,
     StreamLostError,
     TooLargeError,
+    batch_item,
 )
 from kernelhub.client import errors as client_errors
 from kernelhub.models import (
@@ -62,6 +64,9 @@ from kernelhub.models import (
 )
 from kernelhub.wire import (
     AcceptedFrame,
+    BatchInfo,
+    BatchItemInfo,
+    BatchState,
     ClientFrame,
     ErrorFrame,
     EventFrame,
@@ -301,6 +306,63 @@ async def test_429_is_retried_with_the_same_idempotency_key() -> None:
     assert execution.status is ExecutionStatus.COMPLETED
     keys = [b["idempotency_key"] for b in handler.bodies()]
     assert len(keys) == 2 and keys[0] == keys[1] and keys[0]
+
+
+def batch_info(state: str, *, results: bool) -> dict[str, Any]:
+    done = state == "finished"
+    item = BatchItemInfo(
+        index=0,
+        status=ExecutionStatus.COMPLETED if done else ExecutionStatus.RUNNING,
+        execution_id="e1",
+        queued_at=NOW,
+        result=ExecutionInfo.model_validate(
+            finished_info("e1", [StreamEvent(execution_id="e1", seq=1, name="stdout", text="hi\n")])
+        )
+        if results and done
+        else None,
+    )
+    return BatchInfo(
+        id="b1", owner="alice", state=BatchState(state), created_at=NOW, concurrency=2,
+        counts={item.status.value: 1}, items=[item],
+    ).model_dump(mode="json")  # fmt: skip
+
+
+async def test_run_batch_keys_every_item_retries_and_polls_cheaply() -> None:
+    posts = iter(
+        [
+            error_response(429, "too_many", **{"Retry-After": "0"}),
+            httpx.Response(202, json=batch_info("queued", results=False)),
+        ]
+    )
+    states = iter(["running", "finished"])
+
+    def get(request: httpx.Request) -> httpx.Response:
+        results = request.url.params["results"] == "true"
+        state = "finished" if results else next(states)
+        return httpx.Response(200, json=batch_info(state, results=results))
+
+    handler = Recorder(
+        ("POST", r"/v1/batches", lambda r: next(posts)), ("GET", r"/v1/batches/b1", get)
+    )
+    async with hub_for(handler) as hub:
+        info = await hub.run_batch(
+            ["1", batch_item("2", files={"a.txt": b"\x00\xff", "b.txt": "é"}, idempotency_key="k")],
+            concurrency=2,
+        )
+    assert info.items is not None and info.items[0].execution is not None
+    assert info.items[0].execution.stdout == "hi\n"
+    first, second = handler.bodies()
+    assert first == second and first["concurrency"] == 2  # the retry sends the same keys
+    keys = [item["idempotency_key"] for item in first["items"]]
+    assert keys[1] == "k" and keys[0] and keys[0] != "k"
+    files = first["items"][1]["files"]
+    assert {k: base64.b64decode(v) for k, v in files.items()} == {
+        "a.txt": b"\x00\xff", "b.txt": "é".encode(),
+    }  # fmt: skip
+    polled = [r.url.params["results"] for r in handler.requests if r.method == "GET"]
+    assert polled == ["false", "false", "true"]
+    with pytest.raises(InvalidRequestError):
+        batch_item("1", files={"../x": b""})
 
 
 def _all_subclasses(cls: type[Exception]) -> list[type[Exception]]:

@@ -1,0 +1,234 @@
+"""Batch runs end to end: a real gateway, real Docker sessions, one fresh session per item."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kernelhub.client import AsyncHub, BatchInfo, BatchState, ExecutionStatus, batch_item
+from tests.conftest import RUN_INSTANCE, UNIT
+from tests.gateway.conftest import Gateway
+
+pytestmark = pytest.mark.docker
+
+# Each item reports what it finds (globals and files left by an earlier item would show)
+# and then leaves a trace of its own for a later item to find.
+PROBE = """\
+import os
+print(sorted(k for k in globals() if k.startswith('mark_')), sorted(os.listdir('/workspace')))
+mark_{n} = 1
+open('/workspace/trace-{n}', 'w').close()
+"""
+SLEEP = "import time\nfor _ in range(600): time.sleep(1)"
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def max_overlap(intervals: list[tuple[datetime, datetime]]) -> int:
+    edges = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+async def poll(http: httpx.AsyncClient, token: str, batch_id: str, done: Any) -> dict[str, Any]:
+    """GET the batch (without results) until ``done(body)``; fail after a generous deadline."""
+    deadline = time.monotonic() + 120 * UNIT
+    while True:
+        r = await http.get(f"/v1/batches/{batch_id}?results=false", headers=auth(token))
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        if done(body):
+            return body
+        assert time.monotonic() < deadline, body
+        await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+def make_gateway(tmp_path: Path) -> Iterator[Any]:
+    """A gateway with extra settings; stopped, and its sandboxes removed, after the test."""
+    made: list[Gateway] = []
+    run_dir = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
+
+    def make(**env: str) -> Gateway:
+        gw = Gateway(tmp_path / "data", run_dir, **env)
+        gw.start()
+        made.append(gw)
+        return gw
+
+    yield make
+    for gw in made:
+        gw.stop()
+    import docker
+
+    client = docker.from_env()
+    label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
+    for container in client.containers.list(all=True, filters={"label": label}):
+        container.remove(force=True)
+    client.close()
+
+
+async def test_items_run_in_fresh_sessions_with_their_files_and_results(
+    gateway: Gateway,
+) -> None:
+    token = gateway.token("alice")
+    items = [batch_item(PROBE.format(n=n), idempotency_key=f"probe-{n}") for n in range(3)]
+    items += [
+        batch_item(
+            "print(open('data/in.csv').read().strip().split(',')[1])",
+            files={"data/in.csv": b"a,b\n", "notes.txt": "hi"},
+        ),
+        batch_item("1 / 0"),
+        batch_item("6 * 7", limits={"memory_bytes": 128 * 2**20}),
+    ]
+    async with AsyncHub(gateway.url, token, timeout=120 * UNIT) as hub:
+        info = await asyncio.wait_for(hub.run_batch(items, concurrency=2), 300 * UNIT)
+        assert info.state == BatchState.FINISHED and info.items is not None
+        assert info.counts == {"completed": 5, "failed": 1}
+        runs = [item.execution for item in info.items]
+        assert all(r is not None for r in runs)
+        for n in range(3):  # nothing left over from any other item
+            assert runs[n] is not None and runs[n].stdout == "[] []\n", runs[n]
+        assert runs[3] is not None and runs[3].stdout == "b\n"
+        failed = info.items[4]
+        assert failed.status == ExecutionStatus.FAILED and failed.error is None  # the cell's
+        assert runs[4] is not None and runs[4].error is not None
+        assert runs[4].error.name == "ZeroDivisionError"
+        assert runs[5] is not None and runs[5].text == "42"
+        sessions = {item.session_id for item in info.items}
+        assert len(sessions) == 6 and None not in sessions
+        spans = [(i.started_at, i.finished_at) for i in info.items]
+        assert all(a is not None and b is not None for a, b in spans)
+        assert max_overlap(spans) <= 2  # type: ignore[arg-type]
+        assert all(i.wait_seconds is not None and i.wait_seconds >= 0 for i in info.items)
+        assert await hub.list_sessions() == []  # every item's session was deleted
+
+        # The same keys again: nothing runs; the first items' results come back.
+        again = await hub.run_batch(items[:3])
+        assert again.items is not None
+        for n, item in enumerate(again.items):
+            assert item.duplicate_of is not None
+            assert (item.duplicate_of.batch_id, item.duplicate_of.index) == (info.id, n)
+            assert item.execution_id == info.items[n].execution_id
+            assert item.execution is not None and item.execution.stdout == "[] []\n"
+        listed = await hub.list_batches()
+        assert [b.id for b in listed] == [again.id, info.id] and listed[0].items is None
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30 * UNIT) as http:
+        metrics = (await http.get("/metrics")).text
+    assert 'kernelhub_batch_items_total{status="completed"} 5.0' in metrics
+    assert "kernelhub_batch_queue_length 0.0" in metrics
+    assert "kernelhub_batch_queue_wait_seconds_count 6.0" in metrics
+
+
+async def test_capacity_cancel_access_and_bad_requests(make_gateway: Any) -> None:
+    gw: Gateway = make_gateway(
+        KERNELHUB_BATCH__CONCURRENCY="2", KERNELHUB_BATCH__MAX_QUEUED_ITEMS="4"
+    )
+    alice, bob = gw.token("alice"), gw.token("bob")
+    async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
+        sleepers = {"items": [{"code": SLEEP} for _ in range(4)]}
+        r = await http.post("/v1/batches", json=sleepers, headers=auth(alice))
+        assert r.status_code == 202, r.text
+        first = BatchInfo.model_validate(r.json())
+        running = await poll(
+            http,
+            alice,
+            first.id,
+            lambda b: sum(1 for i in b["items"] if i["execution_id"]) == 2,
+        )
+        assert running["state"] == "running" and running["counts"] == {"running": 2, "queued": 2}
+
+        # Two wait; two more would be over the four allowed to wait.
+        r = await http.post("/v1/batches", json={"items": [{"code": "1"}] * 3}, headers=auth(alice))
+        assert r.status_code == 429, r.text
+        assert int(r.headers["Retry-After"]) >= 1 and "MAX_QUEUED_ITEMS" in r.json()["message"]
+
+        # Other principals see nothing.
+        for method, path in [
+            ("GET", f"/v1/batches/{first.id}"),
+            ("POST", f"/v1/batches/{first.id}/cancel"),
+        ]:
+            r = await http.request(method, path, headers=auth(bob))
+            assert r.status_code == 404, (method, path, r.text)
+        assert (await http.get("/v1/batches", headers=auth(bob))).json() == {"batches": []}
+
+        # Malformed bodies never queue anything.
+        bad: list[tuple[object, int]] = [
+            ({"items": []}, 422),
+            ({"items": [{"code": "1", "files": {"x": "not base64!"}}]}, 422),
+            ({"items": [{"code": "1", "files": {"../x": b64(b"1")}}]}, 422),
+            ({"items": [{"code": "1", "surprise": True}]}, 422),
+            ({"items": [{"code": "1"}], "concurrency": 3}, 400),
+            ({"items": [{"code": "1"}] * 5}, 400),  # more than may ever wait
+        ]
+        for body, status in bad:
+            r = await http.post("/v1/batches", json=body, headers=auth(alice))
+            assert r.status_code == status, (body, r.text)
+
+        # Cancel: the queued items are cancelled at once, the running ones interrupted.
+        r = await http.post(f"/v1/batches/{first.id}/cancel", headers=auth(alice))
+        assert r.status_code == 200, r.text
+        assert [i["status"] for i in r.json()["items"]][2:] == ["cancelled", "cancelled"]
+        done = await poll(http, alice, first.id, lambda b: b["state"] == "cancelled")
+        assert done["counts"] == {"interrupted": 2, "cancelled": 2}, done
+        full = (await http.get(f"/v1/batches/{first.id}", headers=auth(alice))).json()
+        for item in full["items"][:2]:
+            assert item["result"]["record"]["ended_by"] == "interrupt", item
+            assert "cancelled" in item["error"]
+        assert (await http.get("/v1/sessions", headers=auth(alice))).json() == {"sessions": []}
+        metrics = (await http.get("/metrics")).text
+        assert 'kernelhub_batch_items_total{status="cancelled"} 2.0' in metrics
+
+
+async def test_a_restart_fails_unfinished_items_and_frees_their_keys(make_gateway: Any) -> None:
+    # Re-adopting a kernel busy in a cell waits this long for its kernel_info answer, then
+    # gives the session up (the manager's behaviour); keep the restart short.
+    gw: Gateway = make_gateway(
+        KERNELHUB_BATCH__CONCURRENCY="1", KERNELHUB_ENGINE__START_TIMEOUT=str(15 * UNIT)
+    )
+    token = gw.token("alice")
+    async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
+        body = {
+            "items": [
+                {"code": SLEEP, "idempotency_key": "slow"},
+                {"code": "print('later')", "idempotency_key": "later"},
+            ]
+        }
+        r = await http.post("/v1/batches", json=body, headers=auth(token))
+        assert r.status_code == 202, r.text
+        batch_id = r.json()["id"]
+        await poll(http, token, batch_id, lambda b: b["items"][0]["execution_id"] is not None)
+        gw.kill9()
+        gw.start()
+        info = (await http.get(f"/v1/batches/{batch_id}", headers=auth(token))).json()
+        assert info["state"] == "finished" and info["counts"] == {"failed": 2}, info
+        ran, waited = info["items"]
+        assert "restarted while this item's code ran" in ran["error"]
+        assert "restarted before this item started" in waited["error"]
+        # Their sessions are gone, and the key of the item that never ran is free again.
+        assert (await http.get("/v1/sessions", headers=auth(token))).json() == {"sessions": []}
+        r = await http.post("/v1/batches", json=body, headers=auth(token))
+        resent = await poll(
+            http, token, r.json()["id"], lambda b: b["items"][1]["status"] != "queued"
+        )
+        assert resent["items"][0]["duplicate_of"] == {"batch_id": batch_id, "index": 0}
+        assert resent["items"][1]["duplicate_of"] is None
+        await http.post(f"/v1/batches/{r.json()['id']}/cancel", headers=auth(token))
