@@ -659,12 +659,15 @@ class KernelSession:
         """kernel_info until both shell answers and iopub carries the request's status
         (so the iopub subscription is live before the first cell: no lost output).
         False if the kernel did not answer by ``until``."""
+        # Re-adopting, the kernel may be in the middle of a cell, and its shell answers
+        # nothing until the cell ends; the control channel answers kernel_info at once.
+        channel = client.shell_channel if starting else client.control_channel
         while time.monotonic() < until:
             await self._check_not_dead(starting)
-            msg_id = client.kernel_info()
-            reply = await self._read_reply(
-                client.shell_channel, msg_id, min(1.0, until - time.monotonic())
-            )
+            request = client.session.msg("kernel_info_request")
+            channel.send(request)
+            msg_id = request["header"]["msg_id"]
+            reply = await self._read_reply(channel, msg_id, min(1.0, until - time.monotonic()))
             if reply is None:
                 continue
             if await self._read_reply(client.iopub_channel, msg_id, 0.5) is None:

@@ -3,15 +3,19 @@
 The only changes from stock ``AsyncKernelClient``: sockets connect through descriptors we
 opened and checked (:meth:`SessionDir.open_sockets`), never reconnect by path on their own,
 and refuse oversized messages so a hostile kernel cannot make the host buffer 300 MB.
+Messages keep their header dates as the ISO strings the kernel sent (see
+:class:`SandboxSession`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from hmac import compare_digest
 from typing import Any
 
 import zmq
+from jupyter_client.adapter import adapt
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.session import Session
 
@@ -20,6 +24,44 @@ from kernelhub.kernel.connection import PORTS, SIGNATURE_SCHEME, SessionDir
 # The in-kernel helper splits stream output into messages of at most 1 MiB; displays
 # (a plot) can be larger. Anything past this is dropped by libzmq before allocation.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class SandboxSession(Session):
+    """``Session`` without the date parsing: stock ``deserialize`` turns every ISO-looking
+    string of both headers into a ``datetime`` (a regex walk and dateutil parses per
+    message, the largest single cost of a cell on the host), and nothing here reads them.
+    Signature check, replay refusal and protocol adaptation are kept as they are."""
+
+    def deserialize(
+        self, msg_list: list[Any], content: bool = True, copy: bool = True
+    ) -> dict[str, Any]:
+        if not copy:
+            msg_list = [bytes(m.bytes) for m in msg_list[:5]] + list(msg_list[5:])
+        if len(msg_list) < 5:
+            raise TypeError("malformed message, must have at least 5 elements")
+        if self.auth is not None:
+            signature = msg_list[0]
+            if not signature:
+                raise ValueError("Unsigned Message")
+            if signature in self.digest_history:
+                raise ValueError(f"Duplicate Signature: {signature!r}")
+            if content:
+                self._add_digest(signature)
+            if not compare_digest(signature, self.sign(msg_list[1:5])):
+                raise ValueError(f"Invalid Signature: {signature!r}")
+        header = self.unpack(msg_list[1])
+        buffers = [memoryview(b if copy else bytes(b.bytes)) for b in msg_list[5:]]
+        return adapt(
+            {
+                "header": header,
+                "msg_id": header["msg_id"],
+                "msg_type": header["msg_type"],
+                "parent_header": self.unpack(msg_list[2]),
+                "metadata": self.unpack(msg_list[3]),
+                "content": self.unpack(msg_list[4]) if content else msg_list[4],
+                "buffers": buffers,
+            }
+        )
 
 
 class SandboxKernelClient(AsyncKernelClient):
@@ -58,7 +100,7 @@ def connect_client(session_dir: SessionDir) -> SandboxKernelClient:
     sandbox backend reports the kernel's death faster and more precisely)."""
     fds = session_dir.open_sockets()
     client = SandboxKernelClient(
-        session=Session(
+        session=SandboxSession(
             key=session_dir.key.get_secret_value().encode(),
             signature_scheme=SIGNATURE_SCHEME,
         ),

@@ -3,12 +3,16 @@
 Docker's stats API samples for a second per call; these files answer in microseconds,
 cheap enough to read around every cell. Works on cgroup v1 (cpuacct + memory
 controllers) and v2 (unified). Where a file is missing the value is None, never a guess.
+
+Each file is opened once and read with ``pread`` at offset 0 (cgroup files answer afresh
+at every read from the start): about 1 µs a read instead of 15 µs for open/read/close.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernelhub.models import ResourceUsage
@@ -20,6 +24,7 @@ class CgroupFiles:
     memory_current: Path | None
     memory_peak: Path | None  # v1 memory.max_usage_in_bytes, v2 memory.peak
     v2: bool
+    _fds: dict[tuple[Path, int], int] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def for_pid(
@@ -81,8 +86,8 @@ class CgroupFiles:
     def read(self) -> ResourceUsage:
         return ResourceUsage(
             cpu_seconds=self._cpu_seconds(),
-            memory_bytes=_read_int(self.memory_current),
-            peak_memory_bytes=_read_int(self.memory_peak),
+            memory_bytes=self._read_int(self.memory_current),
+            peak_memory_bytes=self._read_int(self.memory_peak),
         )
 
     def reset_peak(self) -> None:
@@ -90,28 +95,44 @@ class CgroupFiles:
         if self.memory_peak is None:
             return
         with contextlib.suppress(OSError):
-            self.memory_peak.write_text("0" if not self.v2 else "reset\n")
+            os.pwrite(
+                self._fd(self.memory_peak, os.O_WRONLY), b"0" if not self.v2 else b"reset\n", 0
+            )
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
+    def _fd(self, path: Path, mode: int) -> int:
+        fd = self._fds.get((path, mode))
+        if fd is None:
+            fd = self._fds[(path, mode)] = os.open(path, mode | os.O_CLOEXEC)
+        return fd
+
+    def _read(self, path: Path) -> str:
+        return os.pread(self._fd(path, os.O_RDONLY), 4096, 0).decode()
+
+    def _read_int(self, path: Path | None) -> int | None:
+        if path is None:
+            return None
+        try:
+            return int(self._read(path).strip())
+        except (OSError, ValueError):
+            return None
 
     def _cpu_seconds(self) -> float | None:
         if self.cpu_usage is None:
             return None
         if not self.v2:
-            ns = _read_int(self.cpu_usage)
+            ns = self._read_int(self.cpu_usage)
             return ns / 1e9 if ns is not None else None
         try:
-            for line in self.cpu_usage.read_text().splitlines():
+            for line in self._read(self.cpu_usage).splitlines():
                 key, _, value = line.partition(" ")
                 if key == "usage_usec":
                     return int(value) / 1e6
         except (OSError, ValueError):
             return None
-        return None
-
-
-def _read_int(path: Path | None) -> int | None:
-    if path is None:
-        return None
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
         return None

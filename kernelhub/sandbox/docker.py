@@ -296,6 +296,8 @@ class DockerSandbox(Sandbox):
     def _load_cgroup(self) -> None:
         pid = self.container.attrs.get("State", {}).get("Pid")
         if pid:
+            if self._cgroup is not None:
+                self._cgroup.close()
             self._cgroup = CgroupFiles.for_pid(int(pid), must_contain=self.container.id)
 
     async def wait_exit(self) -> ExitInfo:
@@ -334,6 +336,8 @@ class DockerSandbox(Sandbox):
         await self._signal("SIGKILL")
 
     async def remove(self, *, keep_state: bool = False) -> None:
+        if self._cgroup is not None:
+            self._cgroup.close()  # an open cgroup file keeps the dead cgroup around
         if self.container is not None:
             with contextlib.suppress(SandboxError):
                 await self.backend.call(self.container.remove, force=True, v=True)

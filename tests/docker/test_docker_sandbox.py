@@ -234,3 +234,29 @@ async def test_orphans_are_found_by_label_and_reaped(settings: Settings) -> None
     assert not root.exists()
     # Release the abandoned session's host-side sockets (its sandbox is already gone).
     await session.detach()
+
+
+async def test_a_kernel_busy_in_a_cell_is_reattached_at_once(backend: DockerBackend) -> None:
+    """Re-adoption after a gateway restart must not wait for the running cell to end."""
+    import asyncio
+    import time
+
+    spec = SandboxSpec(session_id=uuid.uuid4().hex[:12], owner="tests")
+    first = await KernelSession.start(backend, spec, engine=EngineSettings(start_timeout=60 * UNIT))
+    again = None
+    try:
+        await first.execute("x = 7")
+        await first.submit("import time; time.sleep(60)")
+        await asyncio.sleep(0.5)
+        await first.detach()
+        t0 = time.monotonic()
+        again = await KernelSession.attach(
+            first.sandbox, engine=EngineSettings(start_timeout=20 * UNIT)
+        )
+        assert time.monotonic() - t0 < 5 * UNIT
+        assert again.alive
+        await again.sandbox.interrupt()  # end the orphaned cell; the kernel keeps x
+        result = await again.execute("print(x)", timeout=30 * UNIT)
+        assert result.status == ExecutionStatus.COMPLETED and result.stdout == "7\n"
+    finally:
+        await (again or first).close()

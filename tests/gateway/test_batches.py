@@ -199,11 +199,7 @@ async def test_capacity_cancel_access_and_bad_requests(make_gateway: Any) -> Non
 
 
 async def test_a_restart_fails_unfinished_items_and_frees_their_keys(make_gateway: Any) -> None:
-    # Re-adopting a kernel busy in a cell waits this long for its kernel_info answer, then
-    # gives the session up (the manager's behaviour); keep the restart short.
-    gw: Gateway = make_gateway(
-        KERNELHUB_BATCH__CONCURRENCY="1", KERNELHUB_ENGINE__START_TIMEOUT=str(15 * UNIT)
-    )
+    gw: Gateway = make_gateway(KERNELHUB_BATCH__CONCURRENCY="1")
     token = gw.token("alice")
     async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
         body = {
