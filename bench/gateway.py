@@ -1,111 +1,179 @@
-"""Gateway benchmark, in one run against the engine floor on the same machine.
-
-    python bench/gateway.py [--rounds 100] [--out docs/bench-gateway.md]
-
-- exec round trip of ``1+1``: over the WebSocket and over REST (``wait=true``) vs the
-  engine called directly in-process (the floor the gateway adds to);
-- throughput with 10 and 50 concurrent sessions: gateway (one WebSocket client each) vs
-  the engine driving the same number of sessions in-process;
-- first byte of a ``print`` over the WebSocket;
-- a 50 MB output: wall time and the gateway's peak RSS growth.
-"""
+"""The gateway as its clients see it: ``kernelhub serve`` in a child process on a loopback
+port, driven over REST and the WebSocket stream (``docs/protocol.md``)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
-from websockets.asyncio.client import connect
+from prometheus_client.parser import text_string_to_metric_families
+from report import MiB, Unavailable
+from websockets.asyncio.client import ClientConnection, connect
 
-from kernelhub.config import load_settings
-from kernelhub.execution.engine import KernelSession
-from kernelhub.sandbox.backends import make_backend
-from kernelhub.sandbox.base import SandboxSpec
-
-INSTANCE = f"bg{uuid.uuid4().hex[:6]}"
-MiB = 2**20
+BIG_OUTPUT = "import sys\nfor i in range(500):\n    sys.stdout.write('z' * 100_000 + '\\n')"
+BIG_OUTPUT_LIMITS = {"output_bytes": 64 * MiB, "memory_bytes": 2048 * MiB}
+POOL_GAUGE = "kernelhub_pool_ready"
 
 
-def ms(seconds: float) -> str:
-    return f"{seconds * 1000:.2f} ms"
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class Gateway:
-    def __init__(self, data: Path, **extra_env: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+    """``kernelhub serve`` with a data directory, an instance label and a token of its own.
+    ``env`` adds ``KERNELHUB_*`` settings. Start with :meth:`launch`; :meth:`stop` ends it."""
+
+    def __init__(self, data: Path, *, instance: str, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.instance = instance
         self.url = f"http://127.0.0.1:{self.port}"
-        self.ws = f"ws://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}"
+        self.log = data / "gateway.log"
         self.env = {
             **os.environ,
             "KERNELHUB_DATA_DIR": str(data),
             "KERNELHUB_BACKEND": "docker",
+            "KERNELHUB_GATEWAY__HOST": "127.0.0.1",
             "KERNELHUB_GATEWAY__PORT": str(self.port),
-            "KERNELHUB_GATEWAY__INSTANCE": INSTANCE,
-            "KERNELHUB_GATEWAY__MAX_SESSIONS": "128",
-            "KERNELHUB_GATEWAY__MAX_SESSIONS_PER_PRINCIPAL": "128",
-            **extra_env,
+            "KERNELHUB_GATEWAY__INSTANCE": instance,
+            **env,
         }
-        self.token = subprocess.run(
-            [sys.executable, "-m", "kernelhub.cli", "token", "create", "--name", "bench"],
-            env=self.env, capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kernelhub.cli", "serve"],
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for _ in range(600):
-            try:
-                if httpx.get(f"{self.url}/readyz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        self.headers = {"Authorization": f"Bearer {self.token}"}
+        self.headers: dict[str, str] = {}
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @classmethod
+    async def launch(
+        cls, data: Path, *, instance: str, env: dict[str, str], timeout: float = 120
+    ) -> Gateway:
+        gw = cls(data, instance=instance, env=env)
+        try:
+            await gw._start(timeout)
+        except BaseException:
+            await gw.stop()
+            raise
+        return gw
+
+    async def _start(self, timeout: float) -> None:
+        token = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kernelhub.cli", "token", "create", "--name", "bench",
+            env=self.env, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await token.communicate()
+        if token.returncode != 0:
+            raise RuntimeError(f"`kernelhub token create` failed with {token.returncode}")
+        self.headers = {"Authorization": f"Bearer {out.decode().strip()}"}
+        with self.log.open("ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kernelhub.cli", "serve",
+                env=self.env, stdout=log, stderr=log, cwd=self.log.parent,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(base_url=self.url) as http:
+            while True:
+                if self.proc.returncode is not None:
+                    raise RuntimeError(
+                        f"gateway exited with {self.proc.returncode}; see {self.log}"
+                    )
+                try:
+                    if (await http.get("/readyz")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gateway not ready after {timeout} s; see {self.log}")
+                await asyncio.sleep(0.05)
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=300)
 
     def rss(self) -> int:
+        assert self.proc is not None
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 30)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+async def create_session(http: httpx.AsyncClient, body: dict[str, Any] | None = None) -> str:
+    return str((await create_timed(http, body))[1]["id"])
+
+
+async def create_timed(
+    http: httpx.AsyncClient, body: dict[str, Any] | None = None
+) -> tuple[float, dict[str, Any]]:
+    """Seconds for ``POST /v1/sessions`` to answer 201, and the session it returned."""
+    t0 = time.perf_counter()
+    r = await http.post("/v1/sessions", json=body or {})
+    elapsed = time.perf_counter() - t0
+    if r.status_code != 201:
+        raise RuntimeError(f"POST /v1/sessions: {r.status_code} {r.text}")
+    info: dict[str, Any] = r.json()
+    return elapsed, info
+
+
+async def delete_session(http: httpx.AsyncClient, sid: str) -> None:
+    r = await http.delete(f"/v1/sessions/{sid}")
+    if r.status_code >= 300 and r.status_code != 404:
+        raise RuntimeError(f"DELETE /v1/sessions/{sid}: {r.status_code} {r.text}")
+
+
+async def cold_start(http: httpx.AsyncClient) -> float:
+    """Seconds for a new session (default limits) to be created; deleting it is not timed."""
+    elapsed, info = await create_timed(http)
+    await delete_session(http, info["id"])
+    return elapsed
+
+
+async def rest_roundtrip(http: httpx.AsyncClient, sid: str, code: str = "1+1") -> float:
+    t0 = time.perf_counter()
+    r = await http.post(f"/v1/sessions/{sid}/executions", json={"code": code, "wait": True})
+    elapsed = time.perf_counter() - t0
+    assert r.status_code == 200 and r.json()["status"] == "completed", r.text
+    return elapsed
 
 
 class WsSession:
-    """One WebSocket client running cells one at a time."""
+    """One WebSocket client of one session, running cells one at a time."""
 
     def __init__(self, gw: Gateway, sid: str) -> None:
         self.gw, self.sid = gw, sid
+        self.conn: ClientConnection | None = None
 
     async def __aenter__(self) -> WsSession:
         self.conn = await connect(
-            f"{self.gw.ws}/v1/sessions/{self.sid}/stream",
+            f"{self.gw.ws_url}/v1/sessions/{self.sid}/stream",
             additional_headers=self.gw.headers,
             max_size=2**26,
         )
-        hello = json.loads(await self.conn.recv())
-        self.last = hello["last_seq"]
+        json.loads(await self.conn.recv())  # hello
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.conn.close()
+        if self.conn is not None:
+            await self.conn.close()
 
-    async def run(self, code: str, first_stream: bool = False) -> float:
+    async def run(self, code: str = "1+1", *, first_stream: bool = False) -> float:
+        """Seconds from sending ``execute`` to its ``final`` event, or with ``first_stream``
+        to its first ``stream`` event."""
+        assert self.conn is not None
         t0 = time.perf_counter()
         request = uuid.uuid4().hex
         await self.conn.send(json.dumps({"type": "execute", "code": code, "request_id": request}))
@@ -121,209 +189,91 @@ class WsSession:
             if event["type"] == "stream" and first is None:
                 first = time.perf_counter() - t0
             if event["type"] == "final":
+                assert event["record"]["status"] == "completed", event["record"]
                 return first if first_stream and first is not None else time.perf_counter() - t0
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=100)
-    parser.add_argument(
-        "--cells", type=int, default=20, help="cells per session in the concurrency runs"
-    )
-    parser.add_argument("--out", type=Path, default=Path("docs/bench-gateway.md"))
-    args = parser.parse_args()
-    settings = load_settings(backend="docker")
-    backend = make_backend(settings, instance=INSTANCE + "e")
-    gw = Gateway(Path(tempfile.mkdtemp(prefix="khbg")))
-    rows: list[tuple[str, str, str, str, str]] = []
-    http = httpx.AsyncClient(base_url=gw.url, headers=gw.headers, timeout=300)
-    engines: list[KernelSession] = []
+async def big_output(gw: Gateway, http: httpx.AsyncClient) -> tuple[float, int]:
+    """A 50 MB output over the WebSocket: (seconds, the gateway's peak RSS growth)."""
+    sid = await create_session(http, {"limits": BIG_OUTPUT_LIMITS})
+    peak = base = gw.rss()
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, gw.rss())
+            await asyncio.sleep(0.02)
+
+    sampler = asyncio.create_task(sample())
     try:
-        engine = await KernelSession.start(backend, SandboxSpec(session_id=uuid.uuid4().hex[:12]))
-        engines.append(engine)
-        sid = (await http.post("/v1/sessions", json={})).json()["id"]
         async with WsSession(gw, sid) as ws:
-            for _ in range(20):
-                await engine.execute("1+1")
-                await ws.run("1+1")
-            floor, over_ws, over_rest = [], [], []
-            for _ in range(args.rounds):
-                t0 = time.perf_counter()
-                await engine.execute("1+1")
-                floor.append(time.perf_counter() - t0)
-                over_ws.append(await ws.run("1+1"))
-                t0 = time.perf_counter()
-                r = await http.post(
-                    f"/v1/sessions/{sid}/executions", json={"code": "1+1", "wait": True}
-                )
-                assert r.status_code == 200
-                over_rest.append(time.perf_counter() - t0)
-            f = statistics.median(floor)
-            w, r_ = statistics.median(over_ws), statistics.median(over_rest)
-            rows.append(
-                ("exec `1+1` over WebSocket (median)", ms(w), ms(f), f"{w / f:.2f}×", "≤ 1.15×")
-            )
-            rows.append(
-                ("exec `1+1` over REST wait=true (median)", ms(r_), ms(f), f"{r_ / f:.2f}×", "")
-            )
-            firsts = [
-                await ws.run("print('x'); import time; time.sleep(0.2)", first_stream=True)
-                for _ in range(10)
-            ]
-            rows.append(
-                (
-                    "`print` → first stream frame over WebSocket (median)",
-                    ms(statistics.median(firsts)),
-                    "",
-                    "",
-                    "≤ 20 ms",
-                )
-            )
-
-            # 50 MB of output through the gateway, measuring its RSS.
-            await http.delete(f"/v1/sessions/{sid}")
-        sid = (
-            await http.post(
-                "/v1/sessions",
-                json={"limits": {"output_bytes": 64 * MiB, "memory_bytes": 2048 * MiB}},
-            )
-        ).json()["id"]
-        peak = base_rss = gw.rss()
-        stop = asyncio.Event()
-
-        async def sample() -> None:
-            nonlocal peak
-            while not stop.is_set():
-                peak = max(peak, gw.rss())
-                await asyncio.sleep(0.02)
-
-        sampler = asyncio.create_task(sample())
-        async with WsSession(gw, sid) as ws:
-            t = await ws.run(
-                "import sys\nfor i in range(500):\n    sys.stdout.write('z' * 100_000 + '\\n')"
-            )
+            elapsed = await ws.run(BIG_OUTPUT)
+    finally:
         stop.set()
         await sampler
-        rows.append(
-            (
-                "50 MB output over WebSocket: time / gateway RSS growth",
-                f"{t:.2f} s",
-                "",
-                f"{(peak - base_rss) / MiB:.0f} MiB",
-                "≤ 64 MiB",
-            )
-        )
-        await http.delete(f"/v1/sessions/{sid}")
+        await delete_session(http, sid)
+    return elapsed, peak - base
 
-        # Hibernation: an idle session is snapshotted and its sandbox removed; the next
-        # execute wakes it. Measured on a gateway of its own with a 1 s idle threshold.
-        hgw = Gateway(
-            Path(tempfile.mkdtemp(prefix="khbh")),
-            KERNELHUB_GATEWAY__HIBERNATE_AFTER="1",
-            KERNELHUB_GATEWAY__INSTANCE=INSTANCE + "h",  # its own: a start reaps its instance
-        )
-        try:
-            async with httpx.AsyncClient(base_url=hgw.url, headers=hgw.headers, timeout=300) as h:
-                hsid = (await h.post("/v1/sessions", json={})).json()["id"]
-                await h.post(
-                    f"/v1/sessions/{hsid}/executions",
-                    json={"code": "import numpy as np\nx = np.arange(10**6)", "wait": True},
-                )
-                t0 = time.perf_counter()
-                while (await h.get(f"/v1/sessions/{hsid}")).json()["state"] != "hibernated":
-                    await asyncio.sleep(0.02)
-                asleep = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                r = await h.post(
-                    f"/v1/sessions/{hsid}/executions", json={"code": "int(x.sum())", "wait": True}
-                )
-                woke = time.perf_counter() - t0
-                assert r.json()["status"] == "completed", r.text
-                await h.delete(f"/v1/sessions/{hsid}")
-            rows.append(
-                (
-                    "hibernate (idle 1 s → sandbox gone, incl. the idle check)",
-                    f"{asleep:.2f} s",
-                    "",
-                    "",
-                    "",
-                )
-            )
-            rows.append(
-                ("wake: first execute after hibernation, end to end", f"{woke:.2f} s", "", "", "")
-            )
-        finally:
-            hgw.stop()
 
-        for n in (10, 50):
-            sessions = [
-                await KernelSession.start(backend, SandboxSpec(session_id=uuid.uuid4().hex[:12]))
-                for _ in range(n)
-            ]
-            engines += sessions
-            t0 = time.perf_counter()
-
-            async def engine_worker(s: KernelSession) -> None:
-                for _ in range(args.cells):
-                    await s.execute("1+1")
-
-            await asyncio.gather(*(engine_worker(s) for s in sessions))
-            floor_tput = n * args.cells / (time.perf_counter() - t0)
-            for s in sessions:
-                await s.close()
-            small = {"limits": {"memory_bytes": 256 * MiB}}
-            sids = [(await http.post("/v1/sessions", json=small)).json()["id"] for _ in range(n)]
-
-            async def gw_worker(sid: str) -> None:
-                async with WsSession(gw, sid) as ws:
-                    for _ in range(args.cells):
-                        await ws.run("1+1")
-
-            t0 = time.perf_counter()
-            await asyncio.gather(*(gw_worker(s) for s in sids))
-            gw_tput = n * args.cells / (time.perf_counter() - t0)
-            for s in sids:
-                await http.delete(f"/v1/sessions/{s}")
-            rows.append(
-                (
-                    f"{n} concurrent sessions: cells/s",
-                    f"{gw_tput:.0f}",
-                    f"{floor_tput:.0f}",
-                    f"{gw_tput / floor_tput:.2f}×",
-                    "≥ 0.9× (50)",
-                )
-            )
+async def hibernate_wake(http: httpx.AsyncClient) -> tuple[float, float]:
+    """On a gateway with ``hibernate_after`` = 1 s: seconds until an idle session is
+    hibernated (including the idle second), and seconds for the execute that wakes it."""
+    sid = await create_session(http)
+    try:
+        await rest_roundtrip(http, sid, "import numpy as np\nx = np.arange(10**6)")
+        t0 = time.perf_counter()
+        while (await http.get(f"/v1/sessions/{sid}")).json()["state"] != "hibernated":
+            if time.perf_counter() - t0 > 60:
+                raise RuntimeError("the session did not hibernate within 60 s")
+            await asyncio.sleep(0.02)
+        asleep = time.perf_counter() - t0
+        woke = await rest_roundtrip(http, sid, "int(x.sum())")
     finally:
-        for e in engines:
-            await e.close()
-        await http.aclose()
-        gw.stop()
-        await backend.reap_orphans()
-        await backend.close()
-        import docker
-
-        client = docker.from_env()
-        for c in client.containers.list(all=True, filters={"label": "org.kernelhub.managed=true"}):
-            if c.labels.get("org.kernelhub.instance", "").startswith(INSTANCE):
-                c.remove(force=True)
-        client.close()
-
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
-    lines = [
-        "# Gateway benchmark",
-        "",
-        f"Machine: {machine}; docker backend; floor = the engine in-process; interleaved runs.",
-        f"Generated by `python bench/gateway.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
-        "",
-        "| measurement | gateway | floor | ratio | target |",
-        "|---|---|---|---|---|",
-        *[f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows],
-        "",
-    ]
-    text = "\n".join(lines)
-    print(text)
-    args.out.write_text(text)
+        await delete_session(http, sid)
+    return asleep, woke
 
 
-if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+async def pool_ready(http: httpx.AsyncClient) -> float | None:
+    """The ``kernelhub_pool_ready`` gauge, or None when /metrics has no such gauge."""
+    r = await http.get("/metrics")
+    r.raise_for_status()
+    for family in text_string_to_metric_families(r.text):
+        if family.name == POOL_GAUGE:
+            return sum(sample.value for sample in family.samples)
+    return None
+
+
+async def wait_pool_full(http: httpx.AsyncClient, size: int, timeout: float) -> None:
+    """Return once the pool holds ``size`` ready sandboxes; :class:`Unavailable` if the
+    gateway has no pool gauge, RuntimeError if it does not fill within ``timeout``."""
+    t0 = time.monotonic()
+    ready: float | None = None
+    while True:
+        ready = await pool_ready(http)
+        if ready is not None and ready >= size:
+            return
+        waited = time.monotonic() - t0
+        if ready is None and waited > 5:
+            raise Unavailable(f"pool not available: no `{POOL_GAUGE}` gauge on /metrics")
+        if waited > timeout:
+            raise RuntimeError(
+                f"the pool did not fill: {ready or 0:.0f}/{size} ready after {timeout} s"
+            )
+        await asyncio.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    seconds: float
+    warm: bool | None  # the response's ``warm`` field; None when it has none
+
+
+async def warm_start(http: httpx.AsyncClient, size: int, fill_timeout: float) -> WarmStart:
+    """Wait for a full pool, then time ``POST /v1/sessions`` (default limits, so the pool
+    serves it); the session is deleted afterwards."""
+    await wait_pool_full(http, size, fill_timeout)
+    elapsed, info = await create_timed(http)
+    await delete_session(http, info["id"])
+    warm = info.get("warm")
+    return WarmStart(elapsed, warm if isinstance(warm, bool) else None)

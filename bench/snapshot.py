@@ -32,11 +32,15 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from floor import await_reply
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
+from report import Row, ratio, seconds
+from report import table as report_table
 
 REPO = Path(__file__).resolve().parents[1]
 KERNEL_IMAGE = REPO / "kernel-image"
@@ -201,7 +205,7 @@ class Kernel:
     async def call(self, code: str, expression: str) -> Any:
         """Run ``code`` silently, then evaluate ``expression``; returns its JSON value."""
         msg_id = self.kc.execute(code, silent=True, user_expressions={"r": expression})
-        reply = await self._wait(msg_id)
+        reply = await await_reply(self.kc, msg_id, timeout=3600)
         if reply["status"] != "ok":
             raise RuntimeError(f"{code!r} failed: {reply.get('ename')}: {reply.get('evalue')}")
         value = reply["user_expressions"]["r"]
@@ -214,26 +218,9 @@ class Kernel:
 
     async def run(self, code: str) -> None:
         """An ordinary cell, as an agent sends it (the tracker sees it)."""
-        reply = await self._wait(self.kc.execute(code))
+        reply = await await_reply(self.kc, self.kc.execute(code), timeout=3600)
         if reply["status"] != "ok":
             raise RuntimeError(f"cell failed: {reply.get('ename')}: {reply.get('evalue')}")
-
-    async def _wait(self, msg_id: str) -> dict[str, Any]:
-        reply: dict[str, Any] | None = None
-        idle = False
-        while reply is None or not idle:
-            if reply is None:
-                msg = await self.kc.get_shell_msg(timeout=3600)
-                if msg["parent_header"].get("msg_id") == msg_id:
-                    reply = msg["content"]
-            if not idle:
-                msg = await self.kc.get_iopub_msg(timeout=3600)
-                idle = (
-                    msg["parent_header"].get("msg_id") == msg_id
-                    and msg["msg_type"] == "status"
-                    and msg["content"]["execution_state"] == "idle"
-                )
-        return reply
 
     async def snapshot(self, call: str) -> dict[str, Any]:
         t = time.perf_counter()
@@ -246,11 +233,36 @@ class Kernel:
         await self.km.shutdown_kernel(now=True)
 
 
-def fmt_s(seconds: float) -> str:
-    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+@dataclass
+class Measured:
+    """Everything one run measures, in seconds and bytes (the kernel's own numbers)."""
+
+    rows: int
+    runs: int
+    variables: int
+    events_bytes: int
+    dill_each: dict[str, Any]  # seconds, bytes
+    dill_whole: dict[str, Any]  # seconds, bytes
+    full: list[dict[str, Any]]  # capture results: duration, size_bytes, groups, ...
+    small: list[dict[str, Any]]
+    read: list[dict[str, Any]]
+    mutate: list[dict[str, Any]]
+    dill_load: dict[str, Any]  # seconds, error: without the names dill cannot load
+    dill_load_all: dict[str, Any]  # the whole namespace, in a fresh kernel
+    restored: dict[str, Any]  # restore result: duration, timings, failed
+
+    @property
+    def full_median(self) -> float:
+        return _median(self.full)
 
 
-async def bench(rows: int, runs: int) -> tuple[list[list[str]], dict[str, Any]]:
+def _median(results: list[dict[str, Any]], key: str = "duration") -> float:
+    return statistics.median(float(r[key]) for r in results)
+
+
+async def measure(rows: int, runs: int) -> Measured:
+    """Build the namespace in one kernel, time dill and captures there, restore in a
+    second one, ``dill.loads`` in a third. Progress goes to stdout."""
     root = Path(tempfile.mkdtemp(prefix="kh-bench-snapshot-"))
     kernels: list[Kernel] = []
     try:
@@ -261,26 +273,24 @@ async def bench(rows: int, runs: int) -> tuple[list[list[str]], dict[str, Any]]:
         info = await a.call("", "__import__('kh_bench_helpers').memory(get_ipython())")
         print(f"namespace: {info['names']} variables, events = {info['events_bytes'] / MB:.0f} MB")
         each = await a.call("", "__import__('kh_bench_helpers').dill_each(get_ipython())")
-        print(f"dill.dumps of each variable: {fmt_s(each['seconds'])}")
+        print(f"dill.dumps of each variable: {seconds(each['seconds'])}")
         dill_file = root / "namespace.dill"
         whole = await a.call(
             "",
             f"__import__('kh_bench_helpers').dill_whole(get_ipython(), {str(dill_file)!r},"
             f" {DILL_CANNOT_LOAD!r})",
         )
-        print(f"dill.dumps of the namespace: {fmt_s(whole['seconds'])}")
+        print(f"dill.dumps of the namespace: {seconds(whole['seconds'])}")
 
         snaps = a.temp / ".kernelhub"
         fulls = []
         for i in range(runs):
             path = snaps / f"full-{i}"
             fulls.append(await a.snapshot(f"capture({str(path)!r})"))
-            print(f"full capture {i}: {fmt_s(fulls[-1]['duration'])}")
+            print(f"full capture {i}: {seconds(fulls[-1]['duration'])}")
             if i < runs - 1:
                 shutil.rmtree(path)
-        full = statistics.median(r["duration"] for r in fulls)
-        last = fulls[-1]
-        base = Path(last["path"])
+        base = Path(fulls[-1]["path"])
 
         async def incremental(cell: str, label: str, count: int) -> list[dict[str, Any]]:
             nonlocal base
@@ -290,7 +300,7 @@ async def bench(rows: int, runs: int) -> tuple[list[list[str]], dict[str, Any]]:
                 path = snaps / f"{label}-{i}"
                 out.append(await a.snapshot(f"capture({str(path)!r}, base={str(base)!r})"))
                 base = path
-                print(f"incremental ({label}) {i}: {fmt_s(out[-1]['duration'])}")
+                print(f"incremental ({label}) {i}: {seconds(out[-1]['duration'])}")
             return out
 
         small = await incremental("n_checks += 1", "small", runs)
@@ -312,123 +322,98 @@ async def bench(rows: int, runs: int) -> tuple[list[list[str]], dict[str, Any]]:
             "bool(len(events) == n and best in results and isinstance(experiments[0], Experiment)"
             " and ax.figure is fig and stage is Stage.CLEAN)",
         )
-        print(f"restore: {fmt_s(restored['duration'])} (checks: {check})")
+        assert check, "the restored namespace differs from the captured one"
+        print(f"restore: {seconds(restored['duration'])}")
         c = await Kernel.start(root, "c")
         kernels.append(c)
         # Imports first, so that dill.loads is timed alone, like restore's "groups" phase.
         await c.call("", "__import__('kh_bench_helpers').import_cost()")
         # In a fresh kernel, as a restore would: dill's by-reference fallbacks fail here.
-        fresh_load = await c.call(
-            "", f"__import__('kh_bench_helpers').dill_load({str(dill_file)!r})"
-        )
+        load_all = await c.call("", f"__import__('kh_bench_helpers').dill_load({str(dill_file)!r})")
         # Without the names dill cannot load back at all: a load time to compare with.
-        dill_load = await c.call(
+        load = await c.call(
             "", f"__import__('kh_bench_helpers').dill_load({str(dill_file) + '.loadable'!r})"
         )
-        print(f"dill.loads of the namespace: {dill_load}; with the Enum: {fresh_load}")
-
-        def median(results: list[dict[str, Any]]) -> float:
-            return statistics.median(r["duration"] for r in results)
-
-        size = last["size_bytes"]
-        table = [
-            ["measurement", "time", "size", "ratio", "target"],
-            [
-                "`dill.dumps` of each variable alone",
-                fmt_s(each["seconds"]),
-                f"{each['bytes'] / MB:.0f} MB",
-                "1.00×",
-                "",
-            ],
-            [
-                "`dill.dumps` of the whole namespace dict",
-                fmt_s(whole["seconds"]),
-                f"{whole['bytes'] / MB:.0f} MB",
-                f"{whole['seconds'] / each['seconds']:.2f}×",
-                "",
-            ],
-            [
-                "full capture (median)",
-                fmt_s(full),
-                f"{size / MB:.0f} MB",
-                f"{full / each['seconds']:.2f}× dill each, {full / whole['seconds']:.2f}× dill whole",
-                "≤ 0.3×",
-            ],
-            [
-                "incremental, one small variable changed (median)",
-                fmt_s(median(small)),
-                f"{statistics.median(r['written_bytes'] for r in small) / 1e3:.0f} kB written",
-                f"{median(small) / full:.1%} of full",
-                "≤ 5%",
-            ],
-            [
-                "incremental, the DataFrame only read (median)",
-                fmt_s(median(read)),
-                f"{statistics.median(r['written_bytes'] for r in read) / 1e3:.0f} kB written",
-                f"{median(read) / full:.1%} of full",
-                "",
-            ],
-            [
-                "incremental, the DataFrame mutated",
-                fmt_s(median(mutate)),
-                f"{mutate[0]['written_bytes'] / MB:.0f} MB written",
-                f"{median(mutate) / full:.0%} of full",
-                "",
-            ],
-            [
-                f"`dill.loads` of the namespace without {', '.join(DILL_CANNOT_LOAD)}",
-                fmt_s(dill_load["seconds"]),
-                "",
-                "",
-                "",
-            ],
-            [
-                "`dill.loads` of the whole namespace",
-                "fails" if fresh_load["error"] else fmt_s(fresh_load["seconds"]),
-                "",
-                f"`{fresh_load['error']}`" if fresh_load["error"] else "",
-                "",
-            ],
-            [
-                "restore into a fresh kernel",
-                fmt_s(restored["duration"]),
-                "",
-                f"of which imports {fmt_s(restored['timings']['imports'])}, groups"
-                f" {fmt_s(restored['timings']['groups'])} ="
-                f" {restored['timings']['groups'] / dill_load['seconds']:.2f}× dill.loads",
-                "",
-            ],
-        ]
-        details = {
-            "variables": info["names"],
-            "events_mb": info["events_bytes"] / MB,
-            "groups": [(g["names"], g["pickler"], g["size_bytes"]) for g in last["groups"]],
-        }
-        return table, details
+        print(f"dill.loads of the namespace: {load}; with the Enum: {load_all}")
+        return Measured(
+            rows=rows, runs=runs, variables=info["names"], events_bytes=info["events_bytes"],
+            dill_each=each, dill_whole=whole, full=fulls, small=small, read=read,
+            mutate=mutate, dill_load=load, dill_load_all=load_all, restored=restored,
+        )  # fmt: skip
     finally:
         for kernel in kernels:
             await kernel.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def markdown(table: list[list[str]], details: dict[str, Any], rows: int, runs: int) -> str:
+def table(m: Measured) -> list[list[str]]:
+    """The detailed table of ``docs/bench-snapshot.md`` (header first)."""
+    each, whole, full = m.dill_each["seconds"], m.dill_whole["seconds"], m.full_median
+    timings = m.restored["timings"]
+    error = m.dill_load_all["error"]
+    return [
+        ["measurement", "time", "size", "ratio", "target"],
+        ["`dill.dumps` of each variable alone", seconds(each),
+         f"{m.dill_each['bytes'] / MB:.0f} MB", "1.00×", ""],
+        ["`dill.dumps` of the whole namespace dict", seconds(whole),
+         f"{m.dill_whole['bytes'] / MB:.0f} MB", ratio(whole, each), ""],
+        ["full capture (median)", seconds(full), f"{m.full[-1]['size_bytes'] / MB:.0f} MB",
+         f"{ratio(full, each)} dill each, {ratio(full, whole)} dill whole", "≤ 0.3×"],
+        ["incremental, one small variable changed (median)", seconds(_median(m.small)),
+         f"{_median(m.small, 'written_bytes') / 1e3:.0f} kB written",
+         f"{_median(m.small) / full:.1%} of full", "≤ 5%"],
+        ["incremental, the DataFrame only read (median)", seconds(_median(m.read)),
+         f"{_median(m.read, 'written_bytes') / 1e3:.0f} kB written",
+         f"{_median(m.read) / full:.1%} of full", ""],
+        ["incremental, the DataFrame mutated", seconds(_median(m.mutate)),
+         f"{m.mutate[0]['written_bytes'] / MB:.0f} MB written",
+         f"{_median(m.mutate) / full:.0%} of full", ""],
+        [f"`dill.loads` of the namespace without {', '.join(DILL_CANNOT_LOAD)}",
+         seconds(m.dill_load["seconds"]), "", "", ""],
+        ["`dill.loads` of the whole namespace",
+         "fails" if error else seconds(m.dill_load_all["seconds"]), "",
+         f"`{error}`" if error else "", ""],
+        ["restore into a fresh kernel", seconds(m.restored["duration"]), "",
+         f"of which imports {seconds(timings['imports'])}, groups {seconds(timings['groups'])}"
+         f" = {ratio(timings['groups'], m.dill_load['seconds'])} dill.loads", ""],
+    ]  # fmt: skip
+
+
+def summary_rows(m: Measured, section: str = "snapshot") -> list[Row]:
+    """The few rows ``bench/suite.py`` reports, each against its floor from the same run."""
+    each, full = m.dill_each["seconds"], m.full_median
+    groups = m.restored["timings"]["groups"]
+    size = f"{m.events_bytes / MB:.0f} MB DataFrame"
+    return [
+        Row(section, f"full capture, {size} (median)", seconds(full),
+            f"{seconds(each)} (`dill.dumps` of each variable)", ratio(full, each), "≤ 0.3×"),
+        Row(section, "incremental capture, one small variable changed (median)",
+            seconds(_median(m.small)), f"{seconds(full)} (full capture)",
+            f"{_median(m.small) / full:.1%}", "≤ 5%"),
+        Row(section, "restore into a fresh kernel: unpickling (imports excluded)",
+            seconds(groups), f"{seconds(m.dill_load['seconds'])} (`dill.loads`)",
+            ratio(groups, m.dill_load["seconds"])),
+        Row(section, "restore into a fresh kernel, end to end", seconds(m.restored["duration"])),
+    ]  # fmt: skip
+
+
+def markdown(m: Measured) -> str:
     lines = [
         "# Snapshot benchmark",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()},"
         f" Python {platform.python_version()}; snapshots written to the kernel's TMPDIR"
         f" ({tempfile.gettempdir()}, a disk here, a tmpfs in a sandbox).",
-        f"Namespace: {details['variables']} variables, including a {details['events_mb']:.0f} MB DataFrame"
-        f" ({rows:,} rows: 10 float columns, ints, a category, timestamps, {rows:,} string objects with 50,000 distinct values),"
+        f"Namespace: {m.variables} variables, including a {m.events_bytes / MB:.0f} MB DataFrame"
+        f" ({m.rows:,} rows: 10 float columns, ints, a category, timestamps, {m.rows:,} string objects with 50,000 distinct values),"
         " small frames and containers, and functions, classes, a lambda, a frozen dataclass and an"
         " Enum defined in cells. Every number is measured inside the same kernel on the same objects;"
-        f" captures are the median of {runs} runs.",
+        f" captures are the median of {m.runs} runs.",
         f"Generated by `python bench/snapshot.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
-        "| " + " | ".join(table[0]) + " |",
-        "|" + "---|" * len(table[0]),
     ]
-    lines += ["| " + " | ".join(row) + " |" for row in table[1:]]
+    rows = table(m)
+    lines += report_table(rows[0], rows[1:])
     lines += [
         "",
         "Why the difference: numeric columns are written straight from the arrays' memory"
@@ -443,7 +428,8 @@ def markdown(table: list[list[str]], details: dict[str, Any], rows: int, runs: i
         "",
     ]
     lines += [
-        f"- {', '.join(names)}: {pickler}, {size:,}" for names, pickler, size in details["groups"]
+        f"- {', '.join(g['names'])}: {g['pickler']}, {g['size_bytes']:,}"
+        for g in m.full[-1]["groups"]
     ]
     return "\n".join(lines) + "\n"
 
@@ -454,8 +440,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "docs" / "bench-snapshot.md"))
     args = parser.parse_args()
-    table, details = asyncio.run(bench(args.rows, args.runs))
-    text = markdown(table, details, args.rows, args.runs)
+    text = markdown(asyncio.run(measure(args.rows, args.runs)))
     print()
     print(text)
     Path(args.out).write_text(text)
