@@ -259,6 +259,11 @@ class BatchRunner:
                 f"the batch has {len(body.items)} items; the most is {cfg.max_items} "
                 "(KERNELHUB_BATCH__MAX_ITEMS): split it"
             )
+        for index, item in enumerate(body.items):
+            try:
+                self.manager.resolve_limits(item.limits)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"items[{index}]: {exc}") from exc
         concurrency = body.concurrency or cfg.concurrency
         if concurrency > cfg.concurrency:
             raise InvalidRequestError(

@@ -231,7 +231,9 @@ class SessionManager:
     def _fanout(self, session_id: str) -> SessionFanout:
         return SessionFanout(session_id, self.store)
 
-    def _limits(self, requested: LimitsIn) -> Limits:
+    def resolve_limits(self, requested: LimitsIn) -> Limits:
+        """The limits a session gets: the defaults, with what was asked for within the
+        operator's maximum (``InvalidRequestError`` names the one above it)."""
         base = self.settings.limits
         cap = self.settings.gateway.max_limits
         values = base.model_dump()
@@ -258,7 +260,7 @@ class SessionManager:
     async def create(
         self, principal: Principal, body: SessionCreate, client: str | None = None
     ) -> SessionInfo:
-        limits = self._limits(body.limits)
+        limits = self.resolve_limits(body.limits)
         alive = self._alive()
         g = self.settings.gateway
         if len(alive) >= g.max_sessions:

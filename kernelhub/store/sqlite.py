@@ -239,6 +239,10 @@ class SqliteStore:
         self._queued = 0  # operations handed to the store thread and not finished yet
         self._wal_bytes = 0  # appended since the last checkpoint
         self._checkpoint: asyncio.Future[Any] | None = None
+        # Writes waiting for this loop turn's shared commit (see _in_tick).
+        self._tick_ops: list[Callable[[], object]] = []
+        self._tick_bytes = 0
+        self._tick_done: asyncio.Future[None] | None = None
 
     @classmethod
     async def open(cls, path: Path) -> SqliteStore:
@@ -272,6 +276,7 @@ class SqliteStore:
         way, and one connection is never used by two threads at once). A thread round
         trip costs about six times a small WAL commit, and most of the gateway's writes
         sit on the path of a cell's events to its clients."""
+        self._flush_tick()
         if self._queued == 0 and self._db is not None:
             return fn(*args)
         return await self._off(fn, *args)
@@ -281,6 +286,10 @@ class SqliteStore:
         return await self._submit(fn, *args)
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        self._flush_tick()
+        return self._submit_now(fn, *args)
+
+    def _submit_now(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
         done = self._pool.submit(fn, *args)
         self._queued += 1
@@ -291,6 +300,55 @@ class SqliteStore:
 
     def _finished_one(self) -> None:
         self._queued -= 1
+
+    def _in_tick(self, op: Callable[[], object], size: int) -> asyncio.Future[None]:
+        """Add a write to this loop turn's transaction; the future resolves once it is
+        committed. Writes of every session made in the same turn (events, finished
+        executions, new rows) share one commit: a commit costs more than the rows in it,
+        and with many busy sessions many writes arrive together. Any other store
+        operation commits the pending ones first, so order is kept."""
+        self._tick_ops.append(op)
+        self._tick_bytes += size
+        if self._tick_done is None:
+            loop = asyncio.get_running_loop()
+            self._tick_done = loop.create_future()
+            loop.call_soon(self._flush_tick)
+        return self._tick_done
+
+    def _flush_tick(self) -> None:
+        done = self._tick_done
+        if done is None:
+            return
+        ops, size = self._tick_ops, self._tick_bytes
+        self._tick_ops, self._tick_bytes, self._tick_done = [], 0, None
+
+        def commit() -> None:
+            assert self._db is not None
+            with self._db:
+                self._db.execute("BEGIN")
+                for op in ops:
+                    op()
+
+        def settle(result: asyncio.Future[None]) -> None:
+            if done.done():
+                return
+            if result.cancelled():
+                done.cancel()
+            elif (exc := result.exception()) is not None:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        if size <= _INLINE_BYTES and self._queued == 0 and self._db is not None:
+            try:
+                commit()
+            except Exception as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+        else:
+            self._submit_now(commit).add_done_callback(settle)
+        self._wal_grew(size)
 
     def _wal_grew(self, size: int) -> None:
         self._wal_bytes += size
@@ -398,9 +456,9 @@ class SqliteStore:
 
     # -- executions --------------------------------------------------------------------
 
-    def insert_execution_soon(self, e: StoredExecution) -> asyncio.Future[list[sqlite3.Row]]:
-        """Queue the insert on the store's thread now, without waiting: every later call
-        runs after it, so readers and updates always find the row."""
+    def insert_execution_soon(self, e: StoredExecution) -> asyncio.Future[None]:
+        """Queue the insert now, without waiting: every later call runs after it, so
+        readers and updates always find the row."""
         params = (
             e.id, e.session_id, e.owner, e.code, e.status.value, e.idempotency_key,
             e.created_at.isoformat(),
@@ -409,14 +467,7 @@ class SqliteStore:
             "INSERT INTO executions (id, session_id, owner, code, status, idempotency_key,"
             " created_at) VALUES (?,?,?,?,?,?,?)"
         )
-        if self._queued == 0 and self._db is not None:
-            done: asyncio.Future[list[sqlite3.Row]] = asyncio.get_running_loop().create_future()
-            try:
-                done.set_result(self._q(sql, params))
-            except Exception as exc:
-                done.set_exception(exc)
-            return done
-        return self._submit(self._q, sql, params)
+        return self._in_tick(lambda: self._q(sql, params), len(e.code))
 
     async def insert_execution(self, e: StoredExecution) -> StoredExecution:
         """Insert; if the owner already used the idempotency key, return that execution."""
@@ -460,17 +511,17 @@ class SqliteStore:
     async def finish_execution(self, record: ExecutionRecord, audit: AuditEntry) -> None:
         """The final record and its audit entry, in one transaction."""
 
+        body = record.model_dump_json()
+
         def finish() -> None:
             assert self._db is not None
-            with self._db:
-                self._db.execute("BEGIN")
-                self._db.execute(
-                    "UPDATE executions SET status = ?, record = ? WHERE id = ?",
-                    (record.status.value, record.model_dump_json(), record.execution_id),
-                )
-                self._insert_audit(audit)
+            self._db.execute(
+                "UPDATE executions SET status = ?, record = ? WHERE id = ?",
+                (record.status.value, body, record.execution_id),
+            )
+            self._insert_audit(audit)
 
-        await self._run(finish)
+        await asyncio.shield(self._in_tick(finish, len(body) + len(audit.code or "")))
 
     async def get_execution(self, execution_id: str) -> StoredExecution | None:
         rows = await self._run(self._q, "SELECT * FROM executions WHERE id = ?", (execution_id,))
@@ -496,20 +547,17 @@ class SqliteStore:
     # -- events ------------------------------------------------------------------------
 
     async def append_events(self, session_id: str, events: Sequence[tuple[int, str, str]]) -> None:
-        """Append ``(seq, execution_id, event JSON)`` rows in one transaction."""
+        """Append ``(seq, execution_id, event JSON)`` rows; returns once committed."""
+        rows = [(session_id, seq, eid, body) for seq, eid, body in events]
 
         def append() -> None:
             assert self._db is not None
-            with self._db:
-                self._db.execute("BEGIN")
-                self._db.executemany(
-                    "INSERT OR IGNORE INTO events (session_id, seq, execution_id, body) VALUES (?,?,?,?)",
-                    [(session_id, seq, eid, body) for seq, eid, body in events],
-                )
+            self._db.executemany(
+                "INSERT OR IGNORE INTO events (session_id, seq, execution_id, body) VALUES (?,?,?,?)",
+                rows,
+            )
 
-        size = sum(len(body) for _, _, body in events)
-        await (self._off(append) if size > _INLINE_BYTES else self._run(append))
-        self._wal_grew(size)
+        await asyncio.shield(self._in_tick(append, sum(len(r[3]) for r in rows)))
 
     async def events_since(
         self, session_id: str, since: int, limit: int = 1000, max_bytes: int = 4 * 2**20

@@ -168,6 +168,9 @@ class FakeManager:
         self.created = 0
         self.refusals = 0  # QuotaErrors to answer before creating
 
+    def resolve_limits(self, requested: Any) -> None:
+        pass  # the real one is exercised by tests/gateway/test_batches.py
+
     async def create(self, principal: Principal, body: Any) -> SessionInfo:
         if self.refusals:
             self.refusals -= 1
