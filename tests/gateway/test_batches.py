@@ -177,7 +177,7 @@ async def test_capacity_cancel_access_and_bad_requests(make_gateway: Any) -> Non
             ({"items": [{"code": "1", "files": {"../x": b64(b"1")}}]}, 422),
             ({"items": [{"code": "1", "surprise": True}]}, 422),
             ({"items": [{"code": "1"}], "concurrency": 3}, 400),
-            ({"items": [{"code": "1", "limits": {"pids": 10**6}}]}, 400),  # above the max
+            ({"items": [{"code": "1", "limits": {"pids": 8192}}]}, 400),  # above the max (4096)
             ({"items": [{"code": "1"}] * 5}, 400),  # more than may ever wait
         ]
         for body, status in bad:
