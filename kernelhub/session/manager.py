@@ -369,7 +369,7 @@ class SessionManager:
     def _pool_room(self) -> bool:
         """Whether one more pooled sandbox fits: never at the expense of a session."""
         alive = self._alive()
-        if len(alive) + self.pool.ready >= self.settings.gateway.max_sessions:
+        if len(alive) + self.pool.held >= self.settings.gateway.max_sessions:
             return False
         committed = sum(s.limits.memory_bytes for s in alive) + self.pool.committed_bytes
         return committed + self.pool.limits.memory_bytes <= self.memory_budget

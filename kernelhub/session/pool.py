@@ -63,9 +63,14 @@ class WarmPool:
         return len(self._ready)
 
     @property
+    def held(self) -> int:
+        """Sandboxes the pool has, ready or starting."""
+        return len(self._ready) + self._starting
+
+    @property
     def committed_bytes(self) -> int:
         """Memory the pooled (and starting) sandboxes may use, for the host budget."""
-        return (len(self._ready) + self._starting) * self.limits.memory_bytes
+        return self.held * self.limits.memory_bytes
 
     def start(self) -> None:
         if self.settings.size > 0 and self._task is None:
@@ -141,9 +146,11 @@ class WarmPool:
                     )
                 finally:
                     self._starting -= batch
-                failures = [r for r in results if isinstance(r, BaseException)]
+                failures = []
                 for r in results:
-                    if isinstance(r, KernelSession):
+                    if isinstance(r, BaseException):
+                        failures.append(r)
+                    else:
                         self._ready.append(r)
                 if failures:
                     for f in failures:
