@@ -301,7 +301,7 @@ class SessionManager:
             await self.store.insert_session(stored)
         except BaseException:
             if warm is not None:
-                self.pool._discard(warm)
+                self.pool.discard(warm)
             raise
         live = LiveSession(
             stored=stored, limits=limits, fanout=self._fanout(stored.id), warm=warm is not None
@@ -632,7 +632,7 @@ class SessionManager:
         live = self._get(principal, session_id)
         if body.idempotency_key is not None:
             # Ask the store first: the key may have been used before a restart.
-            existing = await self._by_key(principal, body.idempotency_key)
+            existing = await self.store.execution_by_key(principal.name, body.idempotency_key)
             if existing is not None:
                 if existing.session_id != session_id:
                     raise InvalidRequestError(
@@ -672,14 +672,6 @@ class SessionManager:
             body.code, execution_id=row.id, keep_events=body.wait, **kwargs
         )
         return row, handle, True
-
-    async def _by_key(self, principal: Principal, key: str) -> StoredExecution | None:
-        rows = await self.store._run(
-            self.store._q,
-            "SELECT id FROM executions WHERE owner = ? AND idempotency_key = ?",
-            (principal.name, key),
-        )
-        return await self.store.get_execution(rows[0][0]) if rows else None
 
     # -- checkpoints and rewind -----------------------------------------------------------
 

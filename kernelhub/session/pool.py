@@ -88,7 +88,7 @@ class WarmPool:
             if kernel.alive:
                 self.hits += 1
                 return kernel
-            self._discard(kernel)
+            self.discard(kernel)
         if self.settings.size > 0:
             self.misses += 1
         return None
@@ -124,7 +124,8 @@ class WarmPool:
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
-    def _discard(self, kernel: KernelSession) -> None:
+    def discard(self, kernel: KernelSession) -> None:
+        """Stop a sandbox taken from the pool that will not be used after all."""
         task = asyncio.create_task(kernel.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

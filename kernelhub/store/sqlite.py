@@ -527,6 +527,15 @@ class SqliteStore:
         rows = await self._run(self._q, "SELECT * FROM executions WHERE id = ?", (execution_id,))
         return _execution(rows[0]) if rows else None
 
+    async def execution_by_key(self, owner: str, key: str) -> StoredExecution | None:
+        """The owner's execution made with this idempotency key, if any."""
+        rows = await self._run(
+            self._q,
+            "SELECT * FROM executions WHERE owner = ? AND idempotency_key = ?",
+            (owner, key),
+        )
+        return _execution(rows[0]) if rows else None
+
     async def unfinished_executions(self, session_id: str) -> list[StoredExecution]:
         rows = await self._off(
             self._q,
