@@ -4,6 +4,9 @@ It enforces ownership (someone else's session is indistinguishable from a missin
 quotas (sessions, queued cells, the host memory budget), persistence (every event to the
 store, every finished execution and every action to the audit log), and, at start-up,
 re-adopts sandboxes that outlived a previous gateway process and removes the orphans.
+Snapshots, checkpoints, rewind, crash recovery and hibernation come from its
+:class:`~kernelhub.session.continuity.Continuity` base; new sessions take sandboxes from
+the warm pool (:mod:`kernelhub.session.pool`) when it has one ready.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ from kernelhub.models import (
     NoticeEvent,
 )
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
+from kernelhub.session.continuity import Continuity
 from kernelhub.session.fanout import SessionFanout
 from kernelhub.session.pool import WarmPool
-from kernelhub.snapshot import calls
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store.sqlite import (
     AuditEntry,
@@ -50,18 +53,8 @@ from kernelhub.store.sqlite import (
     SqliteStore,
     StoredExecution,
     StoredSession,
-    StoredSnapshot,
 )
-from kernelhub.wire import (
-    ExecutionCreate,
-    LimitsIn,
-    RestoreReport,
-    RewindReport,
-    SessionCreate,
-    SessionInfo,
-    SessionState,
-    SnapshotInfo,
-)
+from kernelhub.wire import ExecutionCreate, LimitsIn, SessionCreate, SessionInfo, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +93,7 @@ class Observer:
     on_final: Callable[[ExecutionRecord], None] = lambda record: None
 
 
-class SessionManager:
+class SessionManager(Continuity):
     def __init__(
         self,
         settings: Settings,
@@ -472,62 +465,6 @@ class SessionManager:
                 reason = f"{reason}; recovery from the last checkpoint failed: {exc}"
         await self._mark_dead(live, reason)
 
-    async def _recover(self, live: LiveSession, dead: KernelSession, reason: str) -> None:
-        """A fresh sandbox for the same session, restored from the last checkpoint (they
-        live in the session's state directory, which outlives sandboxes). The event stream
-        says so and names the executions whose effects were lost."""
-        for _ in range(300):  # let the dead cell's final record be emitted first
-            if dead.running is None:
-                break
-            await asyncio.sleep(0.01)
-        live.state = SessionState.STARTING
-        after, directory = live.checkpoints[-1]
-        saved = list(live.checkpoints)
-        lost = list(live.since_checkpoint)
-        await dead.close(keep_state=True)
-        t0 = time.monotonic()
-        kernel = await KernelSession.start(
-            self.backend,
-            SandboxSpec(session_id=live.id, owner=live.stored.owner, limits=live.limits),
-            engine=self.settings.engine,
-            first_seq=dead.last_seq,
-        )
-        self._bind(live, kernel)
-        live.checkpoints = saved
-        try:
-            result = calls.result(
-                await kernel.call(
-                    calls.restore(directory),
-                    calls.RESULT,
-                    timeout=self.settings.gateway.snapshot_timeout,
-                )
-            )
-        except BaseException:
-            live.kernel = None
-            await kernel.close()
-            raise
-        live.since_checkpoint = []
-        live.state = SessionState.READY
-        failed = dict(result.get("failed", {}))
-        message = (
-            f"the kernel died ({reason}); recovered in {time.monotonic() - t0:.2f} s in a fresh "
-            f"sandbox from the checkpoint after cell {after}"
-            + (f"; the effects of these executions were lost: {', '.join(lost)}" if lost else "")
-            + (f"; not restored: {failed}" if failed else "")
-        )
-        kernel._emit(None, NoticeEvent(execution_id="", seq=kernel._next_seq(), message=message))
-        await self.store.update_session(
-            live.id, state=SessionState.READY.value, reason=f"recovered: {reason}"
-        )
-        await self.store.audit(
-            AuditEntry(
-                principal=None,
-                action="session.recover",
-                session_id=live.id,
-                detail={"reason": reason, "checkpoint_after_cell": after, "lost": lost},
-            )
-        )
-
     async def _mark_dead(self, live: LiveSession, reason: str) -> None:
         live.state = SessionState.DEAD
         live.reason = reason
@@ -673,161 +610,6 @@ class SessionManager:
         )
         return row, handle, True
 
-    # -- checkpoints and rewind -----------------------------------------------------------
-
-    _MAX_CHECKPOINTS = 32
-
-    async def _checkpoint(
-        self, live: LiveSession, kernel: KernelSession, handle: ExecutionHandle
-    ) -> None:
-        """After a successful cell (the engine calls this before the next one starts):
-        an incremental capture inside the sandbox, kept there, the base of the next one."""
-        policy = live.checkpoint_policy
-        record = handle.record
-        if policy == "off" or record is None or record.status != ExecutionStatus.COMPLETED:
-            return
-        now = time.monotonic()
-        if isinstance(policy, float) and now - live.last_checkpoint_at < policy:
-            return
-        count = record.execution_count or 0
-        name = f"ckpt-{count}-{uuid.uuid4().hex[:6]}"
-        base = live.checkpoints[-1][1] if live.checkpoints else None
-        try:
-            await kernel.call_now(
-                calls.capture(name, base),
-                calls.RESULT,
-                timeout=self.settings.gateway.snapshot_timeout,
-            )
-        except KernelhubError as exc:
-            log.warning("checkpoint after cell %s of session %s failed: %s", count, live.id, exc)
-            return
-        live.checkpoints.append((count, name))
-        live.since_checkpoint = []
-        live.last_checkpoint_at = now
-        while len(live.checkpoints) > self._MAX_CHECKPOINTS:
-            _, old = live.checkpoints.pop(0)
-            await kernel.call_now(calls.remove(old), {}, timeout=60)
-
-    async def rewind(
-        self, principal: Principal, session_id: str, before_cell: int, client: str | None = None
-    ) -> RewindReport:
-        """Back to the state before cell ``before_cell``: a fresh kernel in the same sandbox,
-        restored from the checkpoint taken after the cell before it."""
-        live = self._get(principal, session_id)
-        kernel = await self._awake(live)
-        t0 = time.monotonic()
-
-        async def rewind_now() -> RewindReport:
-            usable = [(n, d) for n, d in live.checkpoints if n < before_cell]
-            if not usable and before_cell > 1:
-                raise SessionError(
-                    f"no checkpoint before cell {before_cell}; create the session with "
-                    '"checkpoints": "every_cell" to be able to rewind'
-                )
-            await kernel.restart()
-            restored: list[str] = []
-            failed: dict[str, str] = {}
-            after = None
-            if usable:
-                after, directory = usable[-1]
-                result = calls.result(
-                    await kernel.call_now(
-                        calls.restore(directory),
-                        calls.RESULT,
-                        timeout=self.settings.gateway.snapshot_timeout,
-                    )
-                )
-                restored = list(result.get("restored", []))
-                failed = {str(k): str(v) for k, v in dict(result.get("failed", {})).items()}
-            # Checkpoints of the abandoned future go; later ones build on the restored one.
-            for _, d in [c for c in live.checkpoints if c[0] >= before_cell]:
-                await kernel.call_now(calls.remove(d), {}, timeout=60)
-            live.checkpoints = [c for c in live.checkpoints if c[0] < before_cell]
-            return RewindReport(
-                before_cell=before_cell,
-                checkpoint_after_cell=after,
-                restored=restored,
-                failed=failed,
-                duration=time.monotonic() - t0,
-            )
-
-        report = await kernel.exclusive(rewind_now)
-        kernel._emit(
-            None,
-            NoticeEvent(
-                execution_id="",
-                seq=kernel._next_seq(),
-                message=f"rewound to the state before cell {before_cell}; the effects of cells {before_cell} and later are undone (files written since are kept)",
-            ),
-        )
-        await self.store.audit(
-            AuditEntry(
-                principal=principal.name,
-                action="session.rewind",
-                session_id=session_id,
-                client=client,
-                duration=report.duration,
-                detail={"before_cell": before_cell, "failed": report.failed},
-            )
-        )
-        return report
-
-    # -- hibernation -------------------------------------------------------------------
-
-    async def _hibernate_idle(self) -> None:
-        """Every few seconds: snapshot and remove the sandbox of each session idle for
-        ``hibernate_after`` seconds. It wakes, transparently, on its next use."""
-        after = self.settings.gateway.hibernate_after
-        if after is None:
-            return
-        while True:
-            await asyncio.sleep(min(after / 2, 5.0))
-            now = time.monotonic()
-            for live in list(self.sessions.values()):
-                kernel = live.kernel
-                idle = (
-                    live.state == SessionState.READY
-                    and kernel is not None
-                    and kernel.alive
-                    and not kernel.paused
-                    and kernel.running is None
-                    and kernel.queue_length == 0
-                    and now - live.last_active >= after
-                )
-                if idle:
-                    try:
-                        await self.hibernate(live)
-                    except KernelhubError as exc:
-                        log.warning("could not hibernate session %s: %s", live.id, exc)
-
-    async def hibernate(self, live: LiveSession) -> None:
-        async with live.wake_lock:
-            if live.state != SessionState.READY or live.kernel is None:
-                return
-            owner = Principal(name=live.stored.owner)
-            info = await self.snapshot(owner, live.id, None, kind="hibernation")
-            kernel, live.kernel = live.kernel, None
-            # Listed as hibernated only once the sandbox is really gone; a request that
-            # arrives meanwhile waits on the lock (see _awake) and then wakes the session.
-            await kernel.close()
-            live.hibernation = info.id
-            live.state = SessionState.HIBERNATED
-            await self.store.update_session(
-                live.id, state=SessionState.HIBERNATED.value, reason=f"hibernation:{info.id}"
-            )
-            await self.store.audit(
-                AuditEntry(
-                    principal=None,
-                    action="session.hibernate",
-                    session_id=live.id,
-                    detail={"snapshot": info.id},
-                )
-            )
-            log.info("session %s hibernated (snapshot %s)", live.id, info.id)
-
-    def _recoverable(self, live: LiveSession) -> bool:
-        return bool(live.checkpoints) and self.settings.gateway.recover_crashed
-
     async def _awake(self, live: LiveSession) -> KernelSession:
         """The session's kernel, woken from hibernation first if need be, or after a
         crash the recovered one (requests wait for the recovery rather than fail)."""
@@ -849,35 +631,6 @@ class SessionManager:
             if live.state == SessionState.HIBERNATED:
                 await self._wake(live)
         return self._kernel(live)
-
-    async def _wake(self, live: LiveSession) -> None:
-        assert live.hibernation is not None
-        t0 = time.monotonic()
-        owner = Principal(name=live.stored.owner)
-        kernel = await KernelSession.start(
-            self.backend,
-            SandboxSpec(session_id=live.id, owner=live.stored.owner, limits=live.limits),
-            engine=self.settings.engine,
-            first_seq=await self.store.last_seq(live.id),
-        )
-        self._bind(live, kernel)
-        try:
-            report = await self._restore_into(owner, live, kernel, live.hibernation)
-        except BaseException:
-            await kernel.close()
-            live.kernel = None
-            raise
-        live.state = SessionState.READY
-        await self.store.update_session(live.id, state=SessionState.READY.value, reason="")
-        snapshot, live.hibernation = live.hibernation, None
-        await self.store.delete_snapshot(snapshot)
-        self.blobs.remove(snapshot)
-        message = (
-            f"woke from hibernation in {time.monotonic() - t0:.2f} s: "
-            f"{len(report.restored)} variables restored"
-            + (f", not restored: {report.failed}" if report.failed else "")
-        )
-        kernel._emit(None, NoticeEvent(execution_id="", seq=kernel._next_seq(), message=message))
 
     def _kernel(self, live: LiveSession) -> KernelSession:
         if live.state == SessionState.HIBERNATED:
@@ -963,116 +716,6 @@ class SessionManager:
             raise SessionError(f"execution {execution_id} is not waiting for input")
         kernel.send_input(value, answered_by=principal.name)  # audited from its event
 
-    # -- snapshots ---------------------------------------------------------------------
-
-    async def snapshot(
-        self,
-        principal: Principal,
-        session_id: str,
-        client: str | None = None,
-        *,
-        kind: str = "snapshot",
-    ) -> SnapshotInfo:
-        """Capture the namespace and /workspace inside the sandbox, move the result out as
-        an opaque blob, bind it to its owner with a MAC. The host never opens it."""
-        live = self._get(principal, session_id)
-        kernel = await self._awake(live)
-        name = f"snap-{uuid.uuid4().hex[:12]}"
-        timeout = self.settings.gateway.snapshot_timeout
-        t0 = time.monotonic()
-        result = calls.result(await kernel.call(calls.capture(name), calls.RESULT, timeout=timeout))
-        snapshot_id = uuid.uuid4().hex[:16]
-        limit = self.settings.gateway.max_snapshot_bytes
-        try:
-            size, sha256 = await self.blobs.write(
-                snapshot_id, kernel.sandbox.pack_snapshot(name, limit), limit
-            )
-        finally:
-            with contextlib.suppress(KernelhubError):
-                await kernel.call(calls.remove(name), {}, timeout=timeout)
-        metadata = {
-            "kind": kind,
-            "duration": time.monotonic() - t0,
-            "execution_count": result.get("execution_count"),
-            "saved": list(result.get("saved", [])),
-            "skipped": {str(k): str(v) for k, v in dict(result.get("skipped", {})).items()},
-            "kernel": {"size_bytes": result.get("size_bytes"), "timings": result.get("timings")},
-        }
-        stored = StoredSnapshot(
-            id=snapshot_id,
-            session_id=session_id,
-            owner=live.stored.owner,
-            created_at=datetime.now(UTC),
-            size=size,
-            sha256=sha256,
-            mac=self.blobs.mac(snapshot_id, live.stored.owner, sha256),
-            metadata=metadata,
-        )
-        await self.store.insert_snapshot(stored)
-        await self.store.audit(
-            AuditEntry(
-                principal=principal.name,
-                action="snapshot.create",
-                session_id=session_id,
-                client=client,
-                duration=metadata["duration"],
-                detail={"snapshot": snapshot_id, "bytes": size, "skipped": metadata["skipped"]},
-            )
-        )
-        return _snapshot_info(stored)
-
-    async def snapshots(self, principal: Principal) -> list[SnapshotInfo]:
-        stored = await self.store.list_snapshots(principal.name)
-        return [_snapshot_info(s) for s in stored if s.metadata.get("kind") != "hibernation"]
-
-    async def get_snapshot(self, principal: Principal, snapshot_id: str) -> StoredSnapshot:
-        snap = await self.store.get_snapshot(snapshot_id)
-        if snap is None or snap.owner != principal.name:
-            raise NotFoundError(f"no snapshot {snapshot_id!r} (or it is not yours)")
-        return snap
-
-    async def delete_snapshot(self, principal: Principal, snapshot_id: str) -> None:
-        snap = await self.get_snapshot(principal, snapshot_id)
-        await self.store.delete_snapshot(snap.id)
-        self.blobs.remove(snap.id)
-
-    async def _restore_into(
-        self, principal: Principal, live: LiveSession, kernel: KernelSession, snapshot_id: str
-    ) -> RestoreReport:
-        """Only the owner restores; the blob's MAC is checked before any sandbox sees it,
-        and it is only ever loaded inside this brand-new sandbox."""
-        snap = await self.get_snapshot(principal, snapshot_id)
-        self.blobs.verify(snap.id, snap.owner, snap.sha256, snap.mac)
-        name = f"restore-{uuid.uuid4().hex[:12]}"
-        t0 = time.monotonic()
-        limit = self.settings.gateway.max_snapshot_bytes
-        await kernel.sandbox.unpack_snapshot(name, self.blobs.read(snap.id), limit)
-        result = calls.result(
-            await kernel.call(
-                calls.restore(name), calls.RESULT, timeout=self.settings.gateway.snapshot_timeout
-            )
-        )
-        with contextlib.suppress(KernelhubError):
-            await kernel.call(calls.remove(name), {}, timeout=60)
-        report = RestoreReport(
-            snapshot_id=snap.id,
-            restored=list(result.get("restored", [])),
-            failed={str(k): str(v) for k, v in dict(result.get("failed", {})).items()},
-            skipped={str(k): str(v) for k, v in dict(result.get("skipped", {})).items()},
-            execution_count=result.get("execution_count"),
-            duration=time.monotonic() - t0,
-        )
-        await self.store.audit(
-            AuditEntry(
-                principal=principal.name,
-                action="snapshot.restore",
-                session_id=live.id,
-                duration=report.duration,
-                detail={"snapshot": snap.id, "failed": report.failed},
-            )
-        )
-        return report
-
     # -- pause and resume --------------------------------------------------------------
 
     async def pause(
@@ -1149,20 +792,6 @@ class SessionManager:
 
     def live(self, principal: Principal, session_id: str) -> LiveSession:
         return self._get(principal, session_id)
-
-
-def _snapshot_info(s: StoredSnapshot) -> SnapshotInfo:
-    m = s.metadata
-    return SnapshotInfo(
-        id=s.id,
-        session_id=s.session_id,
-        created_at=s.created_at,
-        size_bytes=s.size,
-        duration=float(m.get("duration", 0.0)),
-        execution_count=m.get("execution_count"),
-        saved=list(m.get("saved", [])),
-        skipped=dict(m.get("skipped", {})),
-    )
 
 
 def _info(
