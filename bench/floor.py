@@ -157,7 +157,7 @@ class BareContainers:
         try:
             t0 = time.perf_counter()
             container = await asyncio.to_thread(self.client.containers.run, **config)
-            kc.load_connection_info(sdir.host_connection_info())
+            kc.load_connection_info(sdir.host_connection_info())  # type: ignore[arg-type]
             while not sdir.sockets_present():
                 await asyncio.sleep(0.005)
             kc.start_channels()

@@ -158,6 +158,11 @@ class Suite:
         self.sid = await gateway.create_session(self.http)
         stack.push_async_callback(gateway.delete_session, self.http, self.sid)
         self.ws = await stack.enter_async_context(WsSession(self.gw, self.sid))
+        # REST gets a session of its own, so no WebSocket client is busy with its events.
+        self.rest_sid = await gateway.create_session(self.http)
+        stack.push_async_callback(gateway.delete_session, self.http, self.rest_sid)
+        self.raw = gateway.RawHttp(self.gw)
+        stack.push_async_callback(self.raw.close)
 
     async def close(self) -> None:
         await self._stack.aclose()
@@ -226,7 +231,8 @@ class Suite:
         runners: dict[str, Callable[[], Awaitable[float]]] = {
             "floor": self.floor.roundtrip,
             "engine": lambda: engine.roundtrip(self.engine_session),
-            "rest": lambda: gateway.rest_roundtrip(self.http, self.sid),
+            "rest": lambda: gateway.rest_roundtrip(self.http, self.rest_sid),
+            "raw": lambda: self.raw.roundtrip(self.rest_sid),
             "ws": lambda: self.ws.run("1+1"),
         }
         kg: KernelGateway | None = None
@@ -247,8 +253,10 @@ class Suite:
         rows = [
             Row(section, "`1+1`, engine in-process (median)", ms(m["engine"]), floor,
                 ratio(m["engine"], f), "≤ 1.15×"),
-            Row(section, "`1+1`, gateway REST `wait=true` (median)", ms(m["rest"]), floor,
-                ratio(m["rest"], f)),
+            Row(section, "`1+1`, gateway REST `wait=true`, httpx client (median)", ms(m["rest"]),
+                floor, ratio(m["rest"], f)),
+            Row(section, "`1+1`, gateway REST `wait=true`, bare HTTP/1.1 client (median)",
+                ms(m["raw"]), floor, ratio(m["raw"], f)),
             Row(section, "`1+1`, gateway WebSocket (median)", ms(m["ws"]), floor,
                 ratio(m["ws"], f)),
             Row(section, "WebSocket vs the engine: what the gateway adds", ms(m["ws"]),
@@ -263,8 +271,8 @@ class Suite:
             ]  # fmt: skip
         else:
             rows.append(Row(section, "`1+1`, Jupyter Kernel Gateway WebSocket", kg_missing))
-        names = {"floor": "floor", "engine": "engine", "rest": "REST", "ws": "WebSocket",
-                 "kg": "Kernel Gateway"}  # fmt: skip
+        names = {"floor": "floor", "engine": "engine", "rest": "REST (httpx)",
+                 "raw": "REST (bare HTTP)", "ws": "WebSocket", "kg": "Kernel Gateway"}  # fmt: skip
         p95 = ", ".join(f"{names[name]} {ms(quantile(v, 0.95))}" for name, v in s.items())
         self.note(
             section,
