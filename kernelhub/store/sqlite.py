@@ -459,43 +459,23 @@ class SqliteStore:
     def insert_execution_soon(self, e: StoredExecution) -> asyncio.Future[None]:
         """Queue the insert now, without waiting: every later call runs after it, so
         readers and updates always find the row."""
-        params = (
-            e.id, e.session_id, e.owner, e.code, e.status.value, e.idempotency_key,
-            e.created_at.isoformat(),
-        )  # fmt: skip
-        sql = (
-            "INSERT INTO executions (id, session_id, owner, code, status, idempotency_key,"
-            " created_at) VALUES (?,?,?,?,?,?,?)"
-        )
-        return self._in_tick(lambda: self._q(sql, params), len(e.code))
+        return self._in_tick(lambda: self._insert_execution(e), len(e.code))
 
     async def insert_execution(self, e: StoredExecution) -> StoredExecution:
         """Insert; if the owner already used the idempotency key, return that execution."""
 
         def insert() -> StoredExecution:
             try:
-                self._q(
-                    "INSERT INTO executions (id, session_id, owner, code, status, idempotency_key,"
-                    " created_at) VALUES (?,?,?,?,?,?,?)",
-                    (
-                        e.id,
-                        e.session_id,
-                        e.owner,
-                        e.code,
-                        e.status.value,
-                        e.idempotency_key,
-                        e.created_at.isoformat(),
-                    ),
-                )
+                self._insert_execution(e)
                 return e
             except sqlite3.IntegrityError:
-                rows = self._q(
+                found = self._q(
                     "SELECT * FROM executions WHERE owner = ? AND idempotency_key = ?",
                     (e.owner, e.idempotency_key),
                 )
-                if not rows:
+                if not found:
                     raise
-                return _execution(rows[0])
+                return _execution(found[0])
 
         return await self._run(insert)
 
@@ -526,6 +506,14 @@ class SqliteStore:
     async def get_execution(self, execution_id: str) -> StoredExecution | None:
         rows = await self._run(self._q, "SELECT * FROM executions WHERE id = ?", (execution_id,))
         return _execution(rows[0]) if rows else None
+
+    def _insert_execution(self, e: StoredExecution) -> None:
+        self._q(
+            "INSERT INTO executions (id, session_id, owner, code, status, idempotency_key,"
+            " created_at) VALUES (?,?,?,?,?,?,?)",
+            (e.id, e.session_id, e.owner, e.code, e.status.value, e.idempotency_key,
+             e.created_at.isoformat()),
+        )  # fmt: skip
 
     async def execution_by_key(self, owner: str, key: str) -> StoredExecution | None:
         """The owner's execution made with this idempotency key, if any."""
