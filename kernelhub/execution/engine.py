@@ -21,7 +21,7 @@ import weakref
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import zmq
 
@@ -47,6 +47,7 @@ from kernelhub.models import (
     InputReplyEvent,
     InputRequestEvent,
     NoticeEvent,
+    ResourceUsage,
     StatusEvent,
     StreamEvent,
 )
@@ -62,6 +63,15 @@ _RECENT_EXECUTIONS = 64  # finished cells whose late thread output we still attr
 
 _REPLY_AFTER_IDLE_GRACE = 0.2
 T = TypeVar("T")
+
+
+class _Started(NamedTuple):
+    """A cell the kernel has been sent: what its end is measured against."""
+
+    collector: OutputCollector
+    done: asyncio.Future[None]
+    before: ResourceUsage
+    started: float  # time.monotonic()
 
 
 class _Exclusive:
@@ -181,7 +191,13 @@ class KernelSession:
         self._client: SandboxKernelClient | None = None
         self._seq = first_seq
         self._listeners: list[Listener] = []
-        self._queue: asyncio.Queue[ExecutionHandle] = asyncio.Queue()
+        # The worker's queue. A cell submitted while the worker is idle skips it: submit
+        # starts the cell itself (``_begun``) so the kernel gets the request in the same
+        # loop turn instead of after everything else that turn wakes (store commits,
+        # fan-out, the client's acknowledgement); the worker then only waits for it.
+        self._queue: deque[ExecutionHandle | _Exclusive] = deque()
+        self._idle: asyncio.Future[None] | None = None  # set while the worker waits
+        self._begun: tuple[ExecutionHandle, _Started] | None = None
         self._handles: dict[str, ExecutionHandle] = {}
         self._finished: deque[str] = deque()
         self._collectors: OrderedDict[
@@ -262,7 +278,7 @@ class KernelSession:
 
     @property
     def queue_length(self) -> int:
-        return self._queue.qsize()
+        return len(self._queue)
 
     @property
     def running(self) -> ExecutionHandle | None:
@@ -286,8 +302,8 @@ class KernelSession:
         if self._closed:
             return
         await self.detach()
-        while not self._queue.empty():
-            handle = self._queue.get_nowait()
+        while self._queue:
+            handle = self._queue.popleft()
             if isinstance(handle, _Exclusive):
                 handle.result.set_exception(SessionClosedError("session closed"))
                 continue
@@ -348,18 +364,40 @@ class KernelSession:
             keep_events=keep_events,
         )
         self._handles[handle.id] = handle
-        self._emit(
-            handle,
-            StatusEvent(
-                execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.QUEUED
-            ),
-        )
+
+        announced = False
+
+        def queued() -> None:
+            nonlocal announced
+            announced = True
+            status = ExecutionStatus.QUEUED
+            self._emit(
+                handle, StatusEvent(execution_id=handle.id, seq=self._next_seq(), status=status)
+            )
+
         if self._exit is not None:
+            queued()
             self._finish_unstarted(
                 handle, ExecutionStatus.KERNEL_DIED, EndedBy.KERNEL_DEATH, self._exit.reason
             )
+        elif self._begun is None and self._active is None and self._worker_waiting():
+            try:
+                self._begun = (handle, self._begin(handle, announce=queued))
+            except Exception:
+                log.exception("execution %s could not start", handle.id)
+                if not announced:
+                    queued()
+                self._finish_unstarted(
+                    handle,
+                    ExecutionStatus.FAILED,
+                    EndedBy.KILL,
+                    "internal error; see the kernelhub log",
+                )
+            else:
+                self._wake_worker()
         else:
-            self._queue.put_nowait(handle)
+            queued()
+            self._enqueue(handle)
         return handle
 
     async def execute(self, code: str, *, timeout: float | None = _UNSET) -> Execution:
@@ -519,7 +557,7 @@ class KernelSession:
         self._handles[handle.id] = handle
         if self._exit is not None:
             raise KernelDiedError(self._exit.reason)
-        self._queue.put_nowait(handle)
+        self._enqueue(handle)
         return _answers(handle, await handle.wait())
 
     async def call_now(
@@ -538,7 +576,7 @@ class KernelSession:
         if self._paused:
             raise SessionError("the session is paused; resume it first")
         item = _Exclusive(operation, asyncio.get_running_loop().create_future())
-        self._queue.put_nowait(item)  # type: ignore[arg-type]
+        self._enqueue(item)
         return await item.result  # type: ignore[no-any-return]
 
     async def restart(self) -> None:
@@ -772,13 +810,42 @@ class KernelSession:
 
     # -- internals: running cells -----------------------------------------------------
 
+    def _worker_waiting(self) -> bool:
+        return self._idle is not None and not self._idle.done() and not self._queue
+
+    def _wake_worker(self) -> None:
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    def _enqueue(self, item: ExecutionHandle | _Exclusive) -> None:
+        self._queue.append(item)
+        self._wake_worker()
+
     async def _worker(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            if self._begun is None and not self._queue:
+                self._idle = loop.create_future()
+                try:
+                    await self._idle
+                finally:
+                    self._idle = None
             # One cell per call: no local here outlives its cell, so a finished cell's
             # outputs are not kept alive while the worker waits for the next one.
-            await self._run_next(await self._queue.get())
+            if self._begun is not None:
+                handle, begun = self._begun
+                self._begun = None
+                await self._run_next(handle, begun)
+            else:
+                await self._run_next(self._queue.popleft())
 
-    async def _run_next(self, handle: ExecutionHandle | _Exclusive) -> None:
+    async def _run_next(
+        self, handle: ExecutionHandle | _Exclusive, begun: _Started | None = None
+    ) -> None:
+        if begun is not None:
+            assert isinstance(handle, ExecutionHandle)
+            await self._run_user_cell(handle, begun)
+            return
         if isinstance(handle, _Exclusive):
             try:
                 handle.result.set_result(await handle.operation())
@@ -794,8 +861,11 @@ class KernelSession:
                 handle, ExecutionStatus.KERNEL_DIED, EndedBy.KERNEL_DEATH, self._exit.reason
             )
             return
+        await self._run_user_cell(handle, None)
+
+    async def _run_user_cell(self, handle: ExecutionHandle, begun: _Started | None) -> None:
         try:
-            await self._run(handle)
+            await self._run(handle, begun)
             if self.after_cell is not None and handle.internal is None and self._exit is None:
                 await self.after_cell(handle)
         except asyncio.CancelledError:
@@ -810,10 +880,14 @@ class KernelSession:
                     "internal error; see the kernelhub log",
                 )
 
-    async def _run(self, handle: ExecutionHandle) -> None:
+    def _begin(
+        self, handle: ExecutionHandle, announce: Callable[[], None] | None = None
+    ) -> _Started:
+        """Send the cell to the kernel (synchronously: see ``_begun``). ``announce`` emits
+        the cell's ``queued`` event once the request is on its way, so that the event's
+        listeners (store, fan-out) do not delay the kernel."""
         assert self._client is not None
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.sandbox.reset_peak()
         before = self.sandbox.usage()
         handle.started_at = _now()
@@ -832,13 +906,18 @@ class KernelSession:
         while len(self._collectors) > _RECENT_EXECUTIONS:
             self._collectors.popitem(last=False)
         self._active = (collector, handle, done)
+        if announce is not None:
+            announce()
         self._emit(
             handle,
             StatusEvent(
                 execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.RUNNING
             ),
         )
+        return _Started(collector, done, before, started)
 
+    async def _run(self, handle: ExecutionHandle, begun: _Started | None = None) -> None:
+        collector, done, before, started = begun or self._begin(handle)
         ended_by, state_lost, reason = EndedBy.REPLY, False, None
         status: ExecutionStatus | None = None
         try:

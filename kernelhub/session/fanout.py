@@ -120,10 +120,6 @@ class SessionFanout:
     async def _writer(self) -> None:
         while True:
             await self._wake.wait()
-            # One loop turn for whatever else is ready to publish (the engine's worker
-            # starting the cell right after it was queued, the other channels' messages):
-            # they share this batch's commit and reach clients back to back.
-            await asyncio.sleep(0)
             self._wake.clear()
             while self._pending:
                 batch, self._pending = self._pending, []

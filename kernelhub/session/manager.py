@@ -592,11 +592,7 @@ class SessionManager(Continuity):
             created_at=datetime.now(UTC),
             record=None,
         )
-        if body.idempotency_key is None:
-            # Nothing to check against: record it without waiting (the store's single
-            # thread keeps this insert ahead of every later update of the row).
-            self._spawn(self.store.insert_execution_soon(row))
-        else:
+        if body.idempotency_key is not None:
             stored = await self.store.insert_execution(row)
             if stored.id != row.id:  # a concurrent retry with the same key won the race
                 return stored, kernel.get(stored.id), False
@@ -605,9 +601,14 @@ class SessionManager(Continuity):
         if client:
             live.clients[row.id] = client
         kwargs = {} if body.timeout is None else {"timeout": body.timeout}
+        # The kernel first (an idle kernel gets the cell right here), the bookkeeping after.
         handle = await kernel.submit(
             body.code, execution_id=row.id, keep_events=body.wait, **kwargs
         )
+        if body.idempotency_key is None:
+            # Nothing to check against: record it without waiting. It joins this loop
+            # turn's commit, ahead of the cell's events and of every later store call.
+            self._spawn(self.store.insert_execution_soon(row))
         return row, handle, True
 
     async def _awake(self, live: LiveSession) -> KernelSession:
