@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 from kernelhub.models import Event
@@ -73,8 +74,15 @@ class Subscriber:
 
 
 class SessionFanout:
-    """Owns one session's writer task. ``publish`` is synchronous (called from the engine's
-    listener); ``flush`` waits until everything published so far is in the store."""
+    """Sends each published event to the store and, once committed, to every subscriber.
+    ``publish`` is synchronous (called from the engine's listener); ``flush`` waits until
+    everything published so far is in the store.
+
+    Rows join the store's per-turn commit and reach subscribers from the commit's callback:
+    no writer task, so an event is one loop turn from publish to its clients' queues. Rows
+    are committed in order: while a commit of this session's runs on the store thread (a
+    big batch), or failed and waits to be retried, later events are held back.
+    """
 
     def __init__(
         self,
@@ -82,23 +90,29 @@ class SessionFanout:
         store: SqliteStore,
         *,
         on_error: Callable[[Exception], None] | None = None,
+        retry_after: float = 0.5,
     ) -> None:
         self.session_id = session_id
         self.store = store
         self.subscribers: set[Subscriber] = set()
-        self._pending: list[Published] = []
-        self._wake = asyncio.Event()
         self._flushed_seq = 0
         self._published_seq = 0
         self._flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._on_error = on_error
-        self._task = asyncio.create_task(self._writer(), name=f"kernelhub-writer-{session_id}")
+        self._retry_after = retry_after
+        self._tick: asyncio.Future[None] | None = None  # the commit our newest rows are in
+        self._inflight = 0  # rows handed to the store, not committed (or failed) yet
+        self._held: list[Published] = []  # waiting for the rows ahead of them
+        self._failed: list[Published] = []  # of the commit that just failed, in order
+        self._retry: asyncio.TimerHandle | None = None
 
     def publish(self, event: Event) -> None:
         item = Published(event.seq, event.execution_id, event.model_dump_json())
-        self._pending.append(item)
         self._published_seq = max(self._published_seq, event.seq)
-        self._wake.set()
+        if self._held or (self._inflight and not self.store.commit_pending(self._tick)):
+            self._held.append(item)
+        else:
+            self._write(item)
 
     def subscribe(self, budget_bytes: int) -> Subscriber:
         sub = Subscriber(budget_bytes)
@@ -114,45 +128,64 @@ class SessionFanout:
             return
         fut = asyncio.get_running_loop().create_future()
         self._flush_waiters.append((target, fut))
-        self._wake.set()
         await fut
 
-    async def _writer(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                batch, self._pending = self._pending, []
-                try:
-                    await self.store.append_events(self.session_id, batch)
-                except Exception as exc:  # never lose the batch silently: retry, and say so
-                    log.exception(
-                        "storing %d events of session %s failed", len(batch), self.session_id
-                    )
-                    if self._on_error:
-                        self._on_error(exc)
-                    self._pending[:0] = batch
-                    await asyncio.sleep(0.5)
-                    continue
-                self._flushed_seq = max(self._flushed_seq, batch[-1].seq)
-                for item in batch:
-                    for sub in self.subscribers:
-                        sub.offer(item)
-            still = []
-            for target, fut in self._flush_waiters:
-                if self._flushed_seq >= target:
-                    if not fut.done():
-                        fut.set_result(None)
-                else:
-                    still.append((target, fut))
-            self._flush_waiters = still
+    def _write(self, item: Published) -> None:
+        self._inflight += 1
+        self._tick = self.store.append_event_soon(
+            self.session_id, item.seq, item.execution_id, item.body, partial(self._stored, item)
+        )
+
+    def _stored(self, item: Published, error: Exception | None) -> None:
+        self._inflight -= 1
+        if error is None:
+            self._flushed_seq = max(self._flushed_seq, item.seq)
+            for sub in self.subscribers:
+                sub.offer(item)
+        else:
+            self._failed.append(item)
+        if self._inflight:
+            return
+        if self._failed:
+            # Never lose a row silently: say so, and write it again (in order) shortly.
+            log.error(
+                "storing %d events of session %s failed: %s; retrying",
+                len(self._failed),
+                self.session_id,
+                error,
+            )
+            if self._on_error and error is not None:
+                self._on_error(error)
+            self._held[:0] = self._failed
+            self._failed = []
+            loop = asyncio.get_running_loop()
+            self._retry = loop.call_later(self._retry_after, self._release)
+        else:
+            self._release()
+        self._settle_flush_waiters()
+
+    def _release(self) -> None:
+        """Hand the held rows to the store (they share one commit)."""
+        self._retry = None
+        held, self._held = self._held, []
+        for item in held:
+            self._write(item)
+
+    def _settle_flush_waiters(self) -> None:
+        still = []
+        for target, fut in self._flush_waiters:
+            if self._flushed_seq >= target:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                still.append((target, fut))
+        self._flush_waiters = still
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.flush(), 10)
-        self._task.cancel()
-        with contextlib.suppress(BaseException):
-            await self._task
+        if self._retry is not None:
+            self._retry.cancel()
         for sub in list(self.subscribers):
             sub.closed = True
             sub.overflowed = True

@@ -424,8 +424,8 @@ class SessionManager(Continuity):
             await asyncio.shield(fut)
 
     async def _persist_final(self, live: LiveSession, record: ExecutionRecord) -> None:
+        await live.fanout.flush()  # first: the final event goes out before the bookkeeping
         self.observer.on_final(record)
-        await live.fanout.flush()
         code = live.codes.pop(record.execution_id, None)
         if code is None:  # adopted after a restart: the code is only in the store
             stored = await self.store.get_execution(record.execution_id)

@@ -2,8 +2,8 @@
 
 Every call runs on the store's own single thread (SQLite connections are not shared
 across threads, and one writer is what SQLite wants anyway); callers ``await`` it.
-Events are appended in batches by :meth:`SqliteStore.append_events`, which the gateway
-calls from a writer task: one transaction per batch keeps a 20 000-line cell cheap.
+Event rows are added by :meth:`SqliteStore.append_event_soon` to the loop turn's shared
+transaction (see ``_in_tick``): one commit per turn keeps a 20 000-line cell cheap.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import secrets
 import sqlite3
 from collections.abc import Callable, Iterable, Sequence
@@ -25,6 +26,7 @@ from kernelhub.errors import KernelhubError
 from kernelhub.models import Event, ExecutionRecord, ExecutionStatus
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _EVENT = TypeAdapter(Event)
 
 SCHEMA = """
@@ -241,6 +243,7 @@ class SqliteStore:
         self._checkpoint: asyncio.Future[Any] | None = None
         # Writes waiting for this loop turn's shared commit (see _in_tick).
         self._tick_ops: list[Callable[[], object]] = []
+        self._tick_then: list[Callable[[Exception | None], None]] = []
         self._tick_bytes = 0
         self._tick_done: asyncio.Future[None] | None = None
 
@@ -301,14 +304,23 @@ class SqliteStore:
     def _finished_one(self) -> None:
         self._queued -= 1
 
-    def _in_tick(self, op: Callable[[], object], size: int) -> asyncio.Future[None]:
+    def _in_tick(
+        self,
+        op: Callable[[], object],
+        size: int,
+        then: Callable[[Exception | None], None] | None = None,
+    ) -> asyncio.Future[None]:
         """Add a write to this loop turn's transaction; the future resolves once it is
-        committed. Writes of every session made in the same turn (events, finished
-        executions, new rows) share one commit: a commit costs more than the rows in it,
-        and with many busy sessions many writes arrive together. Any other store
-        operation commits the pending ones first, so order is kept."""
+        committed, and ``then`` (if given) is called right after the commit, on the loop,
+        with None or the error (a callback, not a waiter: no loop turn in between).
+        Writes of every session made in the same turn (events, finished executions, new
+        rows) share one commit: a commit costs more than the rows in it, and with many
+        busy sessions many writes arrive together. Any other store operation commits the
+        pending ones first, so order is kept."""
         self._tick_ops.append(op)
         self._tick_bytes += size
+        if then is not None:
+            self._tick_then.append(then)
         if self._tick_done is None:
             loop = asyncio.get_running_loop()
             self._tick_done = loop.create_future()
@@ -319,8 +331,9 @@ class SqliteStore:
         done = self._tick_done
         if done is None:
             return
-        ops, size = self._tick_ops, self._tick_bytes
-        self._tick_ops, self._tick_bytes, self._tick_done = [], 0, None
+        ops, thens, size = self._tick_ops, self._tick_then, self._tick_bytes
+        self._tick_ops, self._tick_then, self._tick_bytes = [], [], 0
+        self._tick_done = None
 
         def commit() -> None:
             assert self._db is not None
@@ -329,23 +342,40 @@ class SqliteStore:
                 for op in ops:
                     op()
 
+        def ended(error: Exception | None) -> None:
+            if not done.done():
+                if error is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(error)
+                    if thens:
+                        done.exception()  # handed to the callbacks: not "never retrieved"
+            for then in thens:
+                try:
+                    then(error)
+                except Exception:
+                    log.exception("a store commit callback failed")
+
         def settle(result: asyncio.Future[None]) -> None:
-            if done.done():
-                return
             if result.cancelled():
-                done.cancel()
-            elif (exc := result.exception()) is not None:
-                done.set_exception(exc)
+                ended(StoreError("the store was closed before the write was committed"))
             else:
-                done.set_result(None)
+                exc = result.exception()
+                ended(
+                    None
+                    if exc is None
+                    else exc
+                    if isinstance(exc, Exception)
+                    else StoreError(str(exc))
+                )
 
         if size <= _INLINE_BYTES and self._queued == 0 and self._db is not None:
             try:
                 commit()
             except Exception as exc:
-                done.set_exception(exc)
+                ended(exc)
             else:
-                done.set_result(None)
+                ended(None)
         else:
             self._submit_now(commit).add_done_callback(settle)
         self._wal_grew(size)
@@ -543,18 +573,32 @@ class SqliteStore:
 
     # -- events ------------------------------------------------------------------------
 
-    async def append_events(self, session_id: str, events: Sequence[tuple[int, str, str]]) -> None:
-        """Append ``(seq, execution_id, event JSON)`` rows; returns once committed."""
-        rows = [(session_id, seq, eid, body) for seq, eid, body in events]
+    def append_event_soon(
+        self,
+        session_id: str,
+        seq: int,
+        execution_id: str,
+        body: str,
+        then: Callable[[Exception | None], None],
+    ) -> asyncio.Future[None]:
+        """Add an event row (its JSON ``body``) to this loop turn's commit; ``then(error)``
+        runs right after that commit (see ``_in_tick``). Returns the commit's future: see
+        :meth:`commit_pending`."""
+        row = (session_id, seq, execution_id, body)
 
         def append() -> None:
             assert self._db is not None
-            self._db.executemany(
+            self._db.execute(
                 "INSERT OR IGNORE INTO events (session_id, seq, execution_id, body) VALUES (?,?,?,?)",
-                rows,
+                row,
             )
 
-        await asyncio.shield(self._in_tick(append, sum(len(r[3]) for r in rows)))
+        return self._in_tick(append, len(body), then)
+
+    def commit_pending(self, tick: asyncio.Future[None] | None) -> bool:
+        """Whether ``tick`` (a future from :meth:`append_event_soon`) is this turn's commit,
+        not begun yet: a write added now still lands in it."""
+        return tick is not None and tick is self._tick_done
 
     async def events_since(
         self, session_id: str, since: int, limit: int = 1000, max_bytes: int = 4 * 2**20

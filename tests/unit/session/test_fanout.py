@@ -1,0 +1,136 @@
+"""The fan-out against a real SQLite store: events reach subscribers only once committed,
+in order, across commits inline and on the store thread, and through a failed write."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kernelhub.models import StreamEvent
+from kernelhub.session.fanout import Published, SessionFanout, Subscriber
+from kernelhub.store.sqlite import SqliteStore
+
+SID = "s1"
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    s = await SqliteStore.open(tmp_path / "kh.sqlite3")
+    yield s
+    await s.close()
+
+
+def event(seq: int, text: str = "x") -> StreamEvent:
+    return StreamEvent(execution_id="e1", seq=seq, name="stdout", text=text)
+
+
+async def take(sub: Subscriber, n: int) -> list[Published]:
+    items = []
+    for _ in range(n):
+        item = await asyncio.wait_for(sub.get(), 5)
+        assert item is not None
+        items.append(item)
+    return items
+
+
+async def stored_seqs(store: SqliteStore) -> list[int]:
+    return [seq for seq, _ in await store.events_since(SID, 0)]
+
+
+async def test_subscribers_get_only_committed_events_in_order(store: SqliteStore) -> None:
+    fanout = SessionFanout(SID, store)
+    sub = fanout.subscribe(1 << 20)
+    seen_in_store: list[list[int]] = []
+
+    async def reader() -> list[int]:
+        got = []
+        for item in await take(sub, 5):
+            seen_in_store.append(await stored_seqs(store))
+            got.append(item.seq)
+        return got
+
+    task = asyncio.create_task(reader())
+    for seq in range(1, 4):
+        fanout.publish(event(seq))
+    await asyncio.sleep(0)
+    fanout.publish(event(4))
+    fanout.publish(event(5))
+    assert await task == [1, 2, 3, 4, 5]
+    for i, seqs in enumerate(seen_in_store, start=1):
+        assert i in seqs  # committed before any subscriber saw it
+    await fanout.flush()
+    assert await stored_seqs(store) == [1, 2, 3, 4, 5]
+    await fanout.close()
+    assert sub.closed
+
+
+async def test_order_kept_while_a_big_commit_runs_on_the_store_thread(store: SqliteStore) -> None:
+    fanout = SessionFanout(SID, store)
+    sub = fanout.subscribe(8 << 20)
+    fanout.publish(event(1, "z" * 200_000))  # over the inline limit: the store thread
+    for _ in range(3):
+        await asyncio.sleep(0)  # that commit is now in flight on the thread
+    fanout.publish(event(2))
+    fanout.publish(event(3))
+    assert [i.seq for i in await take(sub, 3)] == [1, 2, 3]
+    await fanout.flush()
+    assert await stored_seqs(store) == [1, 2, 3]
+    await fanout.close()
+
+
+async def test_a_failed_write_is_retried_in_order_and_reported(store: SqliteStore) -> None:
+    errors: list[Exception] = []
+    fanout = SessionFanout(SID, store, on_error=errors.append, retry_after=0.2)
+    sub = fanout.subscribe(1 << 20)
+    fanout.publish(event(1))
+    await fanout.flush()
+    await take(sub, 1)
+
+    await store._run(store._q, "ALTER TABLE events RENAME TO events_away")
+    fanout.publish(event(2))
+    fanout.publish(event(3))
+    await asyncio.sleep(0.05)
+    assert errors, "the failure was not reported"
+    fanout.publish(event(4))  # published while the failed rows wait: goes after them
+    assert sub.queue.empty()  # nothing uncommitted reached a subscriber
+    await store._run(store._q, "ALTER TABLE events_away RENAME TO events")
+
+    assert [i.seq for i in await take(sub, 3)] == [2, 3, 4]
+    await asyncio.wait_for(fanout.flush(), 5)
+    assert await stored_seqs(store) == [1, 2, 3, 4]
+    await fanout.close()
+
+
+async def test_a_slow_subscriber_overflows_instead_of_growing(store: SqliteStore) -> None:
+    fanout = SessionFanout(SID, store)
+    slow = fanout.subscribe(1000)
+    fast = fanout.subscribe(1 << 20)
+    for seq in range(1, 21):
+        fanout.publish(event(seq, "y" * 100))
+    await fanout.flush()
+    assert slow.overflowed and slow.queued_bytes == 0
+    assert await slow.get() is None  # its reader catches up from the store instead
+    assert [i.seq for i in await take(fast, 20)] == list(range(1, 21))
+    await fanout.close()
+
+
+async def test_a_transient_failure_on_the_store_thread_keeps_order(store: SqliteStore) -> None:
+    """The commit of a big event fails on the store thread while a later event waits; the
+    store recovers before the later one would be written. The later one must still reach
+    subscribers after the retried one, never before."""
+    errors: list[Exception] = []
+    fanout = SessionFanout(SID, store, on_error=errors.append, retry_after=0.1)
+    sub = fanout.subscribe(8 << 20)
+    await store._run(store._q, "ALTER TABLE events RENAME TO events_away")
+    fanout.publish(event(1, "z" * 200_000))  # over the inline limit: the store thread
+    for _ in range(3):
+        await asyncio.sleep(0)  # that commit is now queued on the thread
+    repaired = store._off(store._q, "ALTER TABLE events_away RENAME TO events")
+    fanout.publish(event(2))
+    await repaired
+    assert [i.seq for i in await take(sub, 2)] == [1, 2]
+    assert errors
+    await fanout.close()
