@@ -221,18 +221,26 @@ class WsSession:
         await self.conn.send(json.dumps({"type": "execute", "code": code, "request_id": request}))
         first = None
         mine = None
+        early: dict[str, list[dict[str, Any]]] = {}  # events may precede their `accepted`
         while True:
             frame = json.loads(await self.conn.recv())
             if frame["type"] == "accepted" and frame["request_id"] == request:
                 mine = frame["execution_id"]
-            if frame["type"] != "event" or frame["event"]["execution_id"] != mine:
-                continue  # other executions of the session (the REST rounds) stream here too
-            event = frame["event"]
-            if event["type"] == "stream" and first is None:
-                first = time.perf_counter() - t0
-            if event["type"] == "final":
-                assert event["record"]["status"] == "completed", event["record"]
-                return first if first_stream and first is not None else time.perf_counter() - t0
+                events = early.pop(mine, [])
+            elif frame["type"] == "event":
+                event = frame["event"]
+                if mine is None:
+                    early.setdefault(event["execution_id"], []).append(event)
+                    continue
+                events = [event] if event["execution_id"] == mine else []
+            else:
+                continue  # other executions of the session stream here too
+            for event in events:
+                if event["type"] == "stream" and first is None:
+                    first = time.perf_counter() - t0
+                if event["type"] == "final":
+                    assert event["record"]["status"] == "completed", event["record"]
+                    return first if first_stream and first is not None else time.perf_counter() - t0
 
 
 async def big_output(gw: Gateway, http: httpx.AsyncClient) -> tuple[float, int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kernelhub.config import Settings, load_settings
 from kernelhub.errors import KernelhubError
+from kernelhub.malloc import pin_mmap_threshold
 from kernelhub.models import (
     DisplayEvent,
     ErrorEvent,
@@ -310,7 +311,7 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    _pin_mmap_threshold()
+    pin_mmap_threshold()
     first = asyncio.run(_bootstrap_token(settings))
     if first:
         print(f"no tokens existed; created admin token 'admin' (shown once): {first}", flush=True)
@@ -327,18 +328,6 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
         ws_per_message_deflate=gateway.ws_compression,
     )
     return 0
-
-
-def _pin_mmap_threshold() -> None:
-    """Outputs pass through the gateway in chunks of up to 1 MiB. glibc raises its mmap
-    threshold after such blocks are freed, after which they come from heap arenas that
-    fragment and never shrink: RSS would keep the high-water mark of the largest output.
-    A fixed threshold keeps big blocks mmapped, so freeing them returns the memory."""
-    import contextlib
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
-        ctypes.CDLL("libc.so.6").mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD
 
 
 async def _bootstrap_token(settings: Settings) -> str | None:

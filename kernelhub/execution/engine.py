@@ -832,20 +832,14 @@ class KernelSession:
                     self._idle = None
             # One cell per call: no local here outlives its cell, so a finished cell's
             # outputs are not kept alive while the worker waits for the next one.
-            if self._begun is not None:
-                handle, begun = self._begun
-                self._begun = None
-                await self._run_next(handle, begun)
-            else:
-                await self._run_next(self._queue.popleft())
+            await self._run_next()
 
-    async def _run_next(
-        self, handle: ExecutionHandle | _Exclusive, begun: _Started | None = None
-    ) -> None:
-        if begun is not None:
-            assert isinstance(handle, ExecutionHandle)
-            await self._run_user_cell(handle, begun)
+    async def _run_next(self) -> None:
+        if self._begun is not None:
+            begun, self._begun = self._begun, None
+            await self._run_user_cell(*begun)
             return
+        handle = self._queue.popleft()
         if isinstance(handle, _Exclusive):
             try:
                 handle.result.set_result(await handle.operation())
