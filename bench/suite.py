@@ -397,24 +397,16 @@ class Suite:
 
     async def concurrency(self) -> list[Row]:
         section = "concurrency"
-        cells = self.plan.cells
         limits = Limits(**SMALL_LIMITS)
+        rounds = max(1, self.plan.cells // 5)
+        per_round = max(1, self.plan.cells // rounds)
+        cells = rounds * per_round
         rows: list[Row] = []
         startup: list[str] = []
         for n in self.plan.sessions:
             t0 = time.perf_counter()
             sessions = await gather_limited(8, [partial(self.start_engine, limits)] * n)
             engine_up = time.perf_counter() - t0
-
-            async def engine_cells(s: KernelSession) -> None:
-                for _ in range(cells):
-                    await engine.roundtrip(s)
-
-            t0 = time.perf_counter()
-            await asyncio.gather(*(engine_cells(s) for s in sessions))
-            floor_rate = n * cells / (time.perf_counter() - t0)
-            await asyncio.gather(*(self.close_engine(s) for s in sessions))
-
             rss0 = self.gw.rss()
             t0 = time.perf_counter()
             sids = await gather_limited(
@@ -428,17 +420,32 @@ class Suite:
                         await stack.enter_async_context(WsSession(self.gw, sid)) for sid in sids
                     ]
 
-                    async def ws_cells(ws: WsSession) -> None:
-                        for _ in range(cells):
+                    async def engine_cells(s: KernelSession, k: int) -> None:
+                        for _ in range(k):
+                            await engine.roundtrip(s)
+
+                    async def ws_cells(ws: WsSession, k: int) -> None:
+                        for _ in range(k):
                             await ws.run("1+1")
 
-                    t0 = time.perf_counter()
-                    await asyncio.gather(*(ws_cells(ws) for ws in clients))
-                    rate = n * cells / (time.perf_counter() - t0)
+                    async def timed(jobs: Iterable[Awaitable[None]]) -> float:
+                        t0 = time.perf_counter()
+                        await asyncio.gather(*jobs)
+                        return time.perf_counter() - t0
+
+                    await timed(engine_cells(s, 1) for s in sessions)  # warm-up, untimed
+                    await timed(ws_cells(ws, 1) for ws in clients)
+                    engine_time = gateway_time = 0.0
+                    for _ in range(rounds):  # in turns, so that noise hits both alike
+                        engine_time += await timed(engine_cells(s, per_round) for s in sessions)
+                        gateway_time += await timed(ws_cells(ws, per_round) for ws in clients)
+                    floor_rate = n * cells / engine_time
+                    rate = n * cells / gateway_time
             finally:
                 await gather_limited(
                     8, [partial(gateway.delete_session, self.http, sid) for sid in sids]
                 )
+                await asyncio.gather(*(self.close_engine(s) for s in sessions))
             startup.append(f"{n}: engine {seconds(engine_up)}, gateway {seconds(gateway_up)}")
             rows.append(
                 Row(section, f"{n} sessions, {cells} cells each: cells/s through the gateway",
@@ -453,10 +460,12 @@ class Suite:
         self.note(
             section,
             f"Sessions with a {SMALL_LIMITS['memory_bytes'] // MiB} MiB memory limit, started"
-            " 8 at a time (not timed); then every session runs `1+1` cells one after the other,"
-            " all sessions at once: the engine in-process (one `KernelSession` each), then the"
-            " gateway (one WebSocket client each, connected before the clock starts). Starting"
-            f" them took {'; '.join(startup)}.",
+            " 8 at a time (not timed): n in the engine in-process (one `KernelSession` each)"
+            " and n in the gateway (one WebSocket client each, connected before the clock"
+            " starts), all alive together. Then every session runs `1+1` cells one after the"
+            f" other, all sessions of one side at once, {per_round} cells each, the two sides"
+            f" taking turns {rounds} times after an untimed cell each, so that noise hits both"
+            f" alike. Starting them took {'; '.join(startup)}.",
         )
         return rows
 

@@ -303,6 +303,7 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
     import uvicorn
 
     from kernelhub.gateway.app import create_app
+    from kernelhub.gateway.ws_protocol import TurnBufferedWebSocketProtocol
 
     gateway = settings.gateway.model_copy(
         update={k: v for k, v in (("host", host), ("port", port)) if v is not None}
@@ -326,6 +327,7 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
         log_level="warning",
         ws_max_size=4 * 2**20,
         ws_per_message_deflate=gateway.ws_compression,
+        ws=TurnBufferedWebSocketProtocol,
     )
     return 0
 

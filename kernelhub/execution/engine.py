@@ -197,6 +197,7 @@ class KernelSession:
         # fan-out, the client's acknowledgement); the worker then only waits for it.
         self._queue: deque[ExecutionHandle | _Exclusive] = deque()
         self._idle: asyncio.Future[None] | None = None  # set while the worker waits
+        self._working = False  # the worker is running an item (or its after_cell hook)
         self._begun: tuple[ExecutionHandle, _Started] | None = None
         self._handles: dict[str, ExecutionHandle] = {}
         self._finished: deque[str] = deque()
@@ -365,11 +366,7 @@ class KernelSession:
         )
         self._handles[handle.id] = handle
 
-        announced = False
-
         def queued() -> None:
-            nonlocal announced
-            announced = True
             status = ExecutionStatus.QUEUED
             self._emit(
                 handle, StatusEvent(execution_id=handle.id, seq=self._next_seq(), status=status)
@@ -381,12 +378,12 @@ class KernelSession:
                 handle, ExecutionStatus.KERNEL_DIED, EndedBy.KERNEL_DEATH, self._exit.reason
             )
         elif self._begun is None and self._active is None and self._worker_waiting():
+            # Nothing ahead of it: the cell starts now, and its first event is `running`
+            # (a `queued` that lasted no time would only be one more event to store and send).
             try:
-                self._begun = (handle, self._begin(handle, announce=queued))
+                self._begun = (handle, self._begin(handle))
             except Exception:
                 log.exception("execution %s could not start", handle.id)
-                if not announced:
-                    queued()
                 self._finish_unstarted(
                     handle,
                     ExecutionStatus.FAILED,
@@ -811,7 +808,7 @@ class KernelSession:
     # -- internals: running cells -----------------------------------------------------
 
     def _worker_waiting(self) -> bool:
-        return self._idle is not None and not self._idle.done() and not self._queue
+        return not self._working and not self._queue
 
     def _wake_worker(self) -> None:
         if self._idle is not None and not self._idle.done():
@@ -832,7 +829,11 @@ class KernelSession:
                     self._idle = None
             # One cell per call: no local here outlives its cell, so a finished cell's
             # outputs are not kept alive while the worker waits for the next one.
-            await self._run_next()
+            self._working = True
+            try:
+                await self._run_next()
+            finally:
+                self._working = False
 
     async def _run_next(self) -> None:
         if self._begun is not None:
@@ -874,12 +875,8 @@ class KernelSession:
                     "internal error; see the kernelhub log",
                 )
 
-    def _begin(
-        self, handle: ExecutionHandle, announce: Callable[[], None] | None = None
-    ) -> _Started:
-        """Send the cell to the kernel (synchronously: see ``_begun``). ``announce`` emits
-        the cell's ``queued`` event once the request is on its way, so that the event's
-        listeners (store, fan-out) do not delay the kernel."""
+    def _begin(self, handle: ExecutionHandle) -> _Started:
+        """Send the cell to the kernel (synchronously: see ``_begun``), then say so."""
         assert self._client is not None
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.sandbox.reset_peak()
@@ -900,8 +897,6 @@ class KernelSession:
         while len(self._collectors) > _RECENT_EXECUTIONS:
             self._collectors.popitem(last=False)
         self._active = (collector, handle, done)
-        if announce is not None:
-            announce()
         self._emit(
             handle,
             StatusEvent(

@@ -424,7 +424,10 @@ class SessionManager(Continuity):
             await asyncio.shield(fut)
 
     async def _persist_final(self, live: LiveSession, record: ExecutionRecord) -> None:
-        await live.fanout.flush()  # first: the final event goes out before the bookkeeping
+        await live.fanout.flush()
+        # Let the final event's senders (woken by the same commit) go before the
+        # bookkeeping: a client waiting for the final event should not wait for it.
+        await asyncio.sleep(0)
         self.observer.on_final(record)
         code = live.codes.pop(record.execution_id, None)
         if code is None:  # adopted after a restart: the code is only in the store

@@ -66,7 +66,7 @@ async def test_events_stream_in_order_and_end_with_one_final(open_session: Sessi
     assert sum(isinstance(e, FinalEvent) for e in events) == 1
     assert [e.seq for e in events] == sorted({e.seq for e in events})
     statuses = [e.status for e in events if isinstance(e, StatusEvent)]
-    assert statuses[:2] == [ExecutionStatus.QUEUED, ExecutionStatus.RUNNING]
+    assert statuses[:1] == [ExecutionStatus.RUNNING]  # nothing ahead of it: no `queued`
     text = "".join(e.text for e in events if isinstance(e, StreamEvent))
     assert text == "0\n1\n2\n3\n4\n"
     assert [e.seq for e in seen] == [e.seq for e in events]
@@ -84,6 +84,10 @@ async def test_cells_queue_in_order(open_session: SessionFactory) -> None:
     assert results[-1].text == "[0, 1, 2, 3]"
     starts = [r.record.started_at for r in results]
     assert starts == sorted(starts)
+    statuses = [[e.status for e in r.events if isinstance(e, StatusEvent)] for r in results]
+    assert statuses[0][0] == ExecutionStatus.RUNNING  # started at once
+    for later in statuses[1:]:  # waited behind the first
+        assert later[:2] == [ExecutionStatus.QUEUED, ExecutionStatus.RUNNING]
 
 
 async def test_cancel_a_queued_cell(open_session: SessionFactory) -> None:

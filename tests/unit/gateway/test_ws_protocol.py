@@ -1,0 +1,69 @@
+"""The turn-buffered transport on a real socket: one write per loop turn, bytes in order,
+and nothing lost when the connection closes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from kernelhub.gateway.ws_protocol import _TurnBufferedTransport
+
+
+class _CountingTransport:
+    """The real transport, with its writes counted."""
+
+    def __init__(self, real: asyncio.Transport) -> None:
+        self.real = real
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+        self.real.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+async def _pair() -> tuple[_CountingTransport, socket.socket]:
+    ours, peer = socket.socketpair()
+    peer.settimeout(5)
+    loop = asyncio.get_running_loop()
+    real, _ = await loop.create_connection(asyncio.Protocol, sock=ours)
+    return _CountingTransport(real), peer
+
+
+def _read_all(peer: socket.socket) -> bytes:
+    chunks = []
+    while chunk := peer.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def test_writes_of_one_turn_leave_in_one_write_in_order() -> None:
+    counting, peer = await _pair()
+    loop = asyncio.get_running_loop()
+    buffered = _TurnBufferedTransport(counting, loop)  # type: ignore[arg-type]
+    buffered.write(b"accepted;")
+    buffered.write(b"running;")
+    assert counting.writes == []  # nothing before the turn ends
+    await asyncio.sleep(0)
+    assert counting.writes == [b"accepted;running;"]
+    buffered.write(b"result;")
+    await asyncio.sleep(0)
+    buffered.write(b"final;")
+    buffered.close()  # sends what is buffered first
+    await asyncio.sleep(0.05)
+    assert counting.writes == [b"accepted;running;", b"result;", b"final;"]
+    assert await asyncio.to_thread(_read_all, peer) == b"accepted;running;result;final;"
+    peer.close()
+
+
+async def test_buffered_bytes_count_toward_the_write_buffer() -> None:
+    counting, peer = await _pair()
+    buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
+    buffered.write(b"x" * 100)
+    assert buffered.get_write_buffer_size() >= 100
+    assert not buffered.is_closing()  # everything else is the real transport's
+    buffered.close()
+    peer.close()
