@@ -1,9 +1,9 @@
-"""The embedded store: SQLite in WAL mode, one connection on one thread.
+"""The embedded store: SQLite in WAL mode, one connection.
 
-Every call runs on the store's own single thread (SQLite connections are not shared
-across threads, and one writer is what SQLite wants anyway); callers ``await`` it.
-Event rows are added by :meth:`SqliteStore.append_event_soon` to the loop turn's shared
-transaction (see ``_in_tick``): one commit per turn keeps a 20 000-line cell cheap.
+Small operations run on the event loop when the store's thread has nothing in hand; big
+ones on that single thread, so the connection is never used by two threads at once (see
+``_run``). Event rows are added by :meth:`SqliteStore.append_event_soon` to the loop turn's
+shared transaction (see ``_in_tick``): one commit per turn keeps a 20 000-line cell cheap.
 """
 
 from __future__ import annotations
