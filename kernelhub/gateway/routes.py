@@ -14,8 +14,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kernelhub.export import to_html, to_notebook
 from kernelhub.gateway.auth import admin, client_address, principal
 from kernelhub.session.batches import BatchRunner
-from kernelhub.session.manager import SessionManager
-from kernelhub.store.sqlite import Principal, StoredExecution
+from kernelhub.session.manager import SessionManager, execution_info
+from kernelhub.store.sqlite import Principal
 from kernelhub.wire import (
     BatchCreate,
     BatchInfo,
@@ -49,18 +49,6 @@ def manager(request: Request) -> SessionManager:
 def batches(request: Request) -> BatchRunner:
     b: BatchRunner = request.app.state.batches
     return b
-
-
-def _execution_info(row: StoredExecution, events: list | None) -> ExecutionInfo:  # type: ignore[type-arg]
-    return ExecutionInfo(
-        id=row.id,
-        session_id=row.session_id,
-        status=row.status,
-        code=row.code,
-        created_at=row.created_at,
-        record=row.record,
-        events=events,
-    )
 
 
 @router.get("/healthz", tags=["health"])
@@ -166,10 +154,10 @@ async def create_execution(
     if done is not None and created:
         # Straight from memory: this request asked to wait, so its handle kept the events.
         row = row.model_copy(update={"status": done.record.status, "record": done.record})
-        info = _execution_info(row, done.events)
+        info = execution_info(row, done.events)
     else:
         row, events = await m.execution(caller, row.id)
-        info = _execution_info(row, events)
+        info = execution_info(row, events)
     return JSONResponse(info.model_dump(mode="json"), status_code=200 if row.record else 202)
 
 
@@ -179,7 +167,7 @@ async def get_execution(
 ) -> ExecutionInfo:
     """``events=false`` answers with the status and record only (cheap polling)."""
     row, outputs = await manager(request).execution(caller, execution_id, events=events)
-    return _execution_info(row, outputs)
+    return execution_info(row, outputs)
 
 
 @router.post(
@@ -190,13 +178,13 @@ async def get_execution(
 )
 async def interrupt_execution(execution_id: str, request: Request, caller: Caller) -> ExecutionInfo:
     row = await manager(request).interrupt(caller, execution_id)
-    return _execution_info(row, None)
+    return execution_info(row, None)
 
 
 @router.post("/v1/executions/{execution_id}/cancel", responses=ERRORS, tags=["executions"])
 async def cancel_execution(execution_id: str, request: Request, caller: Caller) -> ExecutionInfo:
     row = await manager(request).cancel(caller, execution_id)
-    return _execution_info(row, None)
+    return execution_info(row, None)
 
 
 @router.post(

@@ -45,7 +45,7 @@ from typing import Any
 from kernelhub.config import Settings
 from kernelhub.errors import InvalidRequestError, KernelhubError, NotFoundError, QuotaError
 from kernelhub.models import ExecutionStatus
-from kernelhub.session.manager import SessionManager
+from kernelhub.session.manager import SessionManager, execution_info
 from kernelhub.store.sqlite import Principal, SqliteStore, StoredBatch, StoredBatchItem
 from kernelhub.wire import (
     BatchCreate,
@@ -587,15 +587,7 @@ class BatchRunner:
             row, events = await self.manager.execution(principal, execution_id)
         except NotFoundError:
             return None
-        return ExecutionInfo(
-            id=row.id,
-            session_id=row.session_id,
-            status=row.status,
-            code=row.code,
-            created_at=row.created_at,
-            record=row.record,
-            events=events,
-        )
+        return execution_info(row, events)
 
     def _summary(
         self,

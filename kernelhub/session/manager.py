@@ -54,9 +54,29 @@ from kernelhub.store.sqlite import (
     StoredExecution,
     StoredSession,
 )
-from kernelhub.wire import ExecutionCreate, LimitsIn, SessionCreate, SessionInfo, SessionState
+from kernelhub.wire import (
+    ExecutionCreate,
+    ExecutionInfo,
+    LimitsIn,
+    SessionCreate,
+    SessionInfo,
+    SessionState,
+)
 
 log = logging.getLogger(__name__)
+
+
+def execution_info(row: StoredExecution, events: list[Event] | None) -> ExecutionInfo:
+    """An execution as clients get it (REST, batch results)."""
+    return ExecutionInfo(
+        id=row.id,
+        session_id=row.session_id,
+        status=row.status,
+        code=row.code,
+        created_at=row.created_at,
+        record=row.record,
+        events=events,
+    )
 
 
 @dataclass
