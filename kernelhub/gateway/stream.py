@@ -1,7 +1,8 @@
 """The WebSocket endpoint ``/v1/sessions/{id}/stream`` (protocol: ``docs/protocol.md``).
 
-One task sends (replay from the store, then live events from the session's fan-out), the
-handler itself receives client frames. A client that stops reading is cut off with 4408
+One task sends (replay from the store, then live events from the session's fan-out, most
+of them written straight from the fan-out while the client keeps up), the handler itself
+receives client frames. A client that stops reading is cut off with 4408
 once it is ``stream_buffer_bytes`` behind; it reconnects with ``since`` and loses nothing.
 """
 
@@ -17,7 +18,8 @@ from pydantic import TypeAdapter, ValidationError
 from kernelhub.errors import AuthError, KernelhubError, NotFoundError
 from kernelhub.gateway.auth import client_address, websocket_principal
 from kernelhub.gateway.errors import status_for
-from kernelhub.session.fanout import Subscriber
+from kernelhub.gateway.ws_protocol import SEND_TEXT_NOW
+from kernelhub.session.fanout import Published, Subscriber
 from kernelhub.session.manager import LiveSession, SessionManager
 from kernelhub.store.sqlite import Principal
 from kernelhub.wire import (
@@ -48,13 +50,27 @@ _MAX_FRAME_CHARS = 2_000_000
 
 
 class _Sender:
+    """Frames leave one at a time, in order: straight to the socket when nothing else is
+    being sent and the socket keeps up, else through ASGI (which waits for the socket)."""
+
     def __init__(self, ws: WebSocket) -> None:
         self.ws = ws
         self.lock = asyncio.Lock()
+        self.now = ws.scope.get("extensions", {}).get(SEND_TEXT_NOW)
+        self.waiting = 0  # frames on their way through ASGI (queued on the lock included)
+
+    def try_now(self, text: str) -> bool:
+        return self.now is not None and self.waiting == 0 and self.now(text)
 
     async def send(self, text: str) -> None:
-        async with self.lock:
-            await self.ws.send_text(text)
+        if self.try_now(text):
+            return
+        self.waiting += 1
+        try:
+            async with self.lock:
+                await self.ws.send_text(text)
+        finally:
+            self.waiting -= 1
 
 
 @router.websocket("/v1/sessions/{session_id}/stream")
@@ -115,24 +131,36 @@ async def _send_events(
 ) -> tuple[int, str]:
     """Replay from the store, then forward live events; returns the close code and reason.
 
-    A client that reads slower than the kernel writes overflows its buffer: the buffer is
-    dropped and the client catches up from the store, page by page, then goes live again —
-    memory stays bounded and nothing is lost. A client that stops reading altogether is cut
-    off once one frame waits ``stream_stall_timeout`` seconds (close code 4408).
+    Live events go straight from the store commit's callback to the socket while the
+    client keeps up and nothing is buffered (``Subscriber.direct``, ``ws_protocol``);
+    otherwise they are buffered and this task sends them. A client that reads slower than
+    the kernel writes overflows its buffer: the buffer is dropped and the client catches up
+    from the store, page by page, then goes live again — memory stays bounded and nothing
+    is lost. A client that stops reading altogether is cut off once one frame waits
+    ``stream_stall_timeout`` seconds (close code 4408).
     """
     stall = manager.settings.gateway.stream_stall_timeout
+    last = since  # the newest event sent
 
     async def send(text: str) -> None:
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for costs a task per frame.
         async with asyncio.timeout(stall):
             await sender.send(text)
 
+    def deliver(item: Published) -> bool:
+        nonlocal last
+        if item.seq <= last:
+            return True  # replayed already
+        if not sender.try_now(_event_frame(item.body)):
+            return False
+        last = item.seq
+        return True
+
     try:
         # Subscribed first, flushed second: every event is either in the store or queued.
         await live.fanout.flush()
         last_seq = live.kernel.last_seq if live.kernel else await manager.store.last_seq(live.id)
         await send(HelloFrame(session_id=live.id, last_seq=last_seq).model_dump_json())
-        last = since
         while True:
             while True:
                 page = await manager.store.events_since(live.id, last, _REPLAY_PAGE)
@@ -141,11 +169,13 @@ async def _send_events(
                     last = seq
                 if not page:
                     break
+            sub.direct = deliver if sender.now is not None else None
             while (item := await sub.get()) is not None:
                 if item.seq <= last:
                     continue
                 await send(_event_frame(item.body))
                 last = item.seq
+            sub.direct = None
             if sub.closed:
                 return CloseCode.SESSION_ENDED, "the session was deleted"
             # Fell behind: re-arm, make the store complete up to now, catch up from it.
@@ -154,11 +184,14 @@ async def _send_events(
     except TimeoutError:
         log.warning("session %s: a stream client stopped reading; closing it with 4408", live.id)
         return CloseCode.TOO_SLOW, f"client stopped reading; reconnect with since={last}"
+    finally:
+        sub.direct = None
 
 
 async def _receive(
     ws: WebSocket, sender: _Sender, manager: SessionManager, principal: Principal, live: LiveSession
 ) -> None:
+    client = client_address(ws)
     while True:
         try:
             text = await ws.receive_text()
@@ -170,7 +203,7 @@ async def _receive(
                 raise ValueError(f"frame larger than {_MAX_FRAME_CHARS} characters")
             frame = _CLIENT_FRAME.validate_json(text)
             request_id = frame.request_id
-            await _handle(frame, sender, manager, principal, live, client_address(ws))
+            await _handle(frame, sender, manager, principal, live, client)
         except ValidationError as exc:
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc']) or 'frame'}: {e['msg']}"

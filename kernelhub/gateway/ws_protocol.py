@@ -1,10 +1,20 @@
-"""uvicorn's WebSocket protocol, with the frames of one loop turn sent in one write.
+"""uvicorn's WebSocket protocol, with the frames of one loop turn sent in one write, and a
+way to send a text frame without the ASGI round trip.
 
 A cell's events often leave together (its ``accepted`` and ``running``, a burst of
 output), and on loopback each write is a send system call that wakes the reader: the
 cost of a frame is mostly that, not its bytes. Here every write a connection makes during
 one turn of the event loop is buffered and handed to the socket at the end of the turn,
 in order. Frames stay separate WebSocket frames: clients see no difference.
+
+The stream endpoint sends most of its frames from a store commit's callback (a cell's
+events). Going through ASGI's ``send`` for each one costs a task wake-up, a lock, a timer
+and three layers of dispatch (Starlette, uvicorn) before the same few lines of framing;
+with many busy sessions that is a large share of the gateway's time per cell. So the
+protocol offers, under :data:`SEND_TEXT_NOW` in the scope's ``extensions``, a synchronous
+``send_text_now(text) -> bool`` that frames and writes at once when ASGI's send would not
+have to wait, and says False otherwise: the caller then uses ASGI's send, which waits for
+the socket and can time out. An app served by another server simply finds no extension.
 """
 
 from __future__ import annotations
@@ -13,6 +23,14 @@ import asyncio
 from typing import Any, cast
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import InvalidState
+from websockets.http11 import Request
+
+SEND_TEXT_NOW = "kernelhub.websocket.send_text_now"
+# Beyond this many bytes unsent, send_text_now declines. uvicorn's flow control pauses
+# only once the socket's own buffer is full, at the end of a turn; within a turn a burst
+# of events would otherwise pile up here without bound.
+NOW_LIMIT_BYTES = 256 * 1024
 
 
 class _TurnBufferedTransport:
@@ -23,6 +41,7 @@ class _TurnBufferedTransport:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
+        self._pending_bytes = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -30,12 +49,14 @@ class _TurnBufferedTransport:
         if not self._pending:
             self._loop.call_soon(self._flush)
         self._pending.append(bytes(data))
+        self._pending_bytes += len(data)
 
     def _flush(self) -> None:
         if not self._pending:
             return
         data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
         self._pending = []
+        self._pending_bytes = 0
         if not self._transport.is_closing():
             self._transport.write(data)
 
@@ -44,7 +65,7 @@ class _TurnBufferedTransport:
         self._transport.close()
 
     def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+        return self._transport.get_write_buffer_size() + self._pending_bytes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -58,3 +79,30 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
         # (uvloop's transports are not asyncio.Transport subclasses: no isinstance check)
         real = cast(asyncio.Transport, transport)
         self.transport = _TurnBufferedTransport(real, asyncio.get_running_loop())  # type: ignore[assignment]
+
+    def handle_connect(self, event: Request) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # absent when the handshake was refused
+        if scope is not None:
+            scope["extensions"][SEND_TEXT_NOW] = self.send_text_now
+
+    def send_text_now(self, text: str) -> bool:
+        """Send ``text`` as one text frame now, exactly as ASGI's ``websocket.send`` would,
+        if that would not wait: accepted, not closing, the socket keeping up (uvicorn's
+        flow control has not paused writing, less than ``NOW_LIMIT_BYTES`` unsent). False,
+        with nothing sent, otherwise."""
+        if (
+            not self.handshake_complete
+            or self.initial_response is not None
+            or self.close_sent
+            or self.disconnected
+            or not self.writable.is_set()
+            or self.transport.get_write_buffer_size() > NOW_LIMIT_BYTES
+        ):
+            return False
+        try:
+            self.conn.send_text(text.encode())
+        except InvalidState:
+            return False
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        return True

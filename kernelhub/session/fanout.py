@@ -33,12 +33,18 @@ class Published(NamedTuple):
 
 
 class Subscriber:
+    """One reader's buffer. Its reader may also set ``direct``: a function that takes an
+    event and delivers it at once, or returns False if it cannot right now. While nothing
+    is buffered, an offered event goes there first (no buffer, no wake-up of the reader);
+    otherwise, or if it says False, the event is buffered, so order is kept."""
+
     def __init__(self, budget_bytes: int) -> None:
         self.queue: asyncio.Queue[Published] = asyncio.Queue()
         self.budget = budget_bytes
         self.queued_bytes = 0
         self.overflowed = False
         self.closed = False
+        self.direct: Callable[[Published], bool] | None = None
         self._wake = asyncio.Event()
 
     def rearm(self) -> None:
@@ -47,6 +53,8 @@ class Subscriber:
 
     def offer(self, item: Published) -> None:
         if self.overflowed:
+            return
+        if self.direct is not None and self.queue.empty() and self.direct(item):
             return
         size = len(item.body)
         if self.queued_bytes + size > self.budget:

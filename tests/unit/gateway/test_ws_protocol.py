@@ -1,5 +1,5 @@
 """The turn-buffered transport on a real socket: one write per loop turn, bytes in order,
-and nothing lost when the connection closes."""
+and nothing lost when the connection closes; and ``send_text_now`` on a real server."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import asyncio
 import socket
 from typing import Any
 
-from kernelhub.gateway.ws_protocol import _TurnBufferedTransport
+import uvicorn
+from websockets.asyncio.client import connect
+
+from kernelhub.gateway.ws_protocol import (
+    SEND_TEXT_NOW,
+    TurnBufferedWebSocketProtocol,
+    _TurnBufferedTransport,
+)
 
 
 class _CountingTransport:
@@ -67,3 +74,44 @@ async def test_buffered_bytes_count_toward_the_write_buffer() -> None:
     assert not buffered.is_closing()  # everything else is the real transport's
     buffered.close()
     peer.close()
+
+
+async def test_send_text_now_writes_frames_in_order_on_a_real_server() -> None:
+    """uvicorn with our protocol, a real client: the scope offers ``send_text_now``; frames
+    it sends arrive in order among ASGI's own; after close it declines instead of raising."""
+    results: list[bool] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        now = scope["extensions"][SEND_TEXT_NOW]
+        await receive()  # websocket.connect
+        results.append(now("early"))  # not accepted yet: declines
+        await send({"type": "websocket.accept"})
+        results.append(now("one"))
+        await send({"type": "websocket.send", "text": "two"})
+        results.append(now("three"))
+        await send({"type": "websocket.close", "code": 1000})
+        results.append(now("late"))  # closing: declines
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        ws=TurnBufferedWebSocketProtocol,
+        lifespan="off",
+        log_level="warning",
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        async with connect(f"ws://127.0.0.1:{port}/") as ws:
+            got = [msg async for msg in ws]
+        assert got == ["one", "two", "three"]
+        assert results == [False, True, True, False]
+    finally:
+        server.should_exit = True
+        await serving

@@ -134,3 +134,35 @@ async def test_a_transient_failure_on_the_store_thread_keeps_order(store: Sqlite
     assert [i.seq for i in await take(sub, 2)] == [1, 2]
     assert errors
     await fanout.close()
+
+
+async def test_direct_delivery_while_nothing_is_buffered_and_order_kept_when_it_declines(
+    store: SqliteStore,
+) -> None:
+    fanout = SessionFanout(SID, store)
+    sub = fanout.subscribe(1 << 20)
+    delivered: list[int] = []
+    accept = True
+
+    def direct(item: Published) -> bool:
+        if accept:
+            delivered.append(item.seq)
+        return accept
+
+    sub.direct = direct
+    fanout.publish(event(1))
+    fanout.publish(event(2))
+    await fanout.flush()
+    assert delivered == [1, 2] and sub.queue.empty()  # no buffer, no reader wake-up
+    accept = False  # e.g. the socket stopped keeping up
+    fanout.publish(event(3))
+    await fanout.flush()
+    accept = True
+    fanout.publish(event(4))  # something is buffered: it queues behind, never overtakes
+    await fanout.flush()
+    assert delivered == [1, 2]
+    assert [item.seq for item in await take(sub, 2)] == [3, 4]
+    fanout.publish(event(5))  # drained: direct again
+    await fanout.flush()
+    assert delivered == [1, 2, 5]
+    assert await stored_seqs(store) == [1, 2, 3, 4, 5]  # and all of it is stored
