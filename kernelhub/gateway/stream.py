@@ -244,9 +244,8 @@ async def _handle(
             code=frame.code, timeout=frame.timeout, idempotency_key=frame.idempotency_key
         )
         row, _, _ = await manager.submit(principal, live.id, body, client)
-        # Answer in the same loop turn as the cell's first event goes out (both wait for
-        # its commit), so that both frames leave in one write (see ws_protocol).
-        await live.fanout.flush()
+        # At once: the cell's first event goes out from this turn's commit, which runs
+        # before the socket's end-of-turn write, so both frames still leave in one write.
         await sender.send(
             AcceptedFrame(request_id=frame.request_id, execution_id=row.id).model_dump_json()
         )

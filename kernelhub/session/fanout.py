@@ -122,6 +122,11 @@ class SessionFanout:
         else:
             self._write(item)
 
+    def joins_this_commit(self) -> bool:
+        """Whether everything published so far is stored or in this loop turn's commit
+        (nothing held back): a write the caller adds now is committed with, or after, it."""
+        return not self._held and (not self._inflight or self.store.commit_pending(self._tick))
+
     def subscribe(self, budget_bytes: int) -> Subscriber:
         sub = Subscriber(budget_bytes)
         self.subscribers.add(sub)

@@ -53,6 +53,7 @@ from kernelhub.store.sqlite import (
     SqliteStore,
     StoredExecution,
     StoredSession,
+    StoreError,
 )
 from kernelhub.wire import (
     ExecutionCreate,
@@ -416,7 +417,7 @@ class SessionManager(Continuity):
             self._recent_records[event.execution_id] = event.record
             while len(self._recent_records) > 1024:
                 self._recent_records.popitem(last=False)
-            self._spawn(self._finished(live, event.record))
+            self._finish(live, event.record)
         elif isinstance(event, InputReplyEvent):
             # Who answered (a principal, or the deadline), when, and what.
             entry = AuditEntry(
@@ -428,13 +429,45 @@ class SessionManager(Continuity):
             )
             self._spawn(self.store.audit(entry))
 
-    async def _finished(self, live: LiveSession, record: ExecutionRecord) -> None:
+    def _finish(self, live: LiveSession, record: ExecutionRecord) -> None:
+        """Store the final record and its audit entry, never before the final event.
+        Usually the final event has just joined this loop turn's commit, and the record
+        joins it too: one commit, no task. Otherwise (its rows held back behind a slow or
+        failed commit, or the code known only to the store after a restart) a task waits
+        for the event to be stored first."""
+        code = live.codes.pop(record.execution_id, None)
+        if code is None or not live.fanout.joins_this_commit():
+            self._spawn(self._finished(live, record, code))
+            return
+        done = self.store.finish_execution_soon(record, self._audit_final(live, record, code))
+        done.add_done_callback(
+            lambda fut: self._settle(
+                record, StoreError("the store closed") if fut.cancelled() else fut.exception()
+            )
+        )
+
+    async def _finished(self, live: LiveSession, record: ExecutionRecord, code: str | None) -> None:
+        error: BaseException | None = StoreError("stopped before the record was stored")
         try:
-            await self._persist_final(live, record)
+            await live.fanout.flush()
+            if code is None:  # adopted after a restart: the code is only in the store
+                stored = await self.store.get_execution(record.execution_id)
+                code = stored.code if stored else None
+            await self.store.finish_execution(record, self._audit_final(live, record, code))
+            error = None
+        except Exception as exc:
+            error = exc
         finally:
-            settled = self._settled.pop(record.execution_id, None)
-            if settled is not None and not settled.done():
-                settled.set_result(None)
+            self._settle(record, error)
+
+    def _settle(self, record: ExecutionRecord, error: BaseException | None) -> None:
+        if error is None:
+            self.observer.on_final(record)
+        else:
+            log.error("storing execution %s failed: %s", record.execution_id, error)
+        settled = self._settled.pop(record.execution_id, None)
+        if settled is not None and not settled.done():
+            settled.set_result(None)
 
     async def settled(self, execution_id: str) -> None:
         """Wait until a finished execution's events and record are committed to the store
@@ -443,34 +476,24 @@ class SessionManager(Continuity):
         if fut is not None:
             await asyncio.shield(fut)
 
-    async def _persist_final(self, live: LiveSession, record: ExecutionRecord) -> None:
-        await live.fanout.flush()
-        # Let the final event's senders (woken by the same commit) go before the
-        # bookkeeping: a client waiting for the final event should not wait for it.
-        await asyncio.sleep(0)
-        self.observer.on_final(record)
-        code = live.codes.pop(record.execution_id, None)
-        if code is None:  # adopted after a restart: the code is only in the store
-            stored = await self.store.get_execution(record.execution_id)
-            code = stored.code if stored else None
-        await self.store.finish_execution(
-            record,
-            AuditEntry(
-                principal=live.principals.pop(record.execution_id, live.stored.owner),
-                action="execution",
-                session_id=live.id,
-                execution_id=record.execution_id,
-                code=code,
-                status=record.status.value,
-                duration=record.duration,
-                cpu_seconds=record.cpu_seconds,
-                peak_memory_bytes=record.peak_memory_bytes,
-                output_bytes=record.output_bytes,
-                client=live.clients.pop(record.execution_id, None),
-                detail={"reason": record.reason, "ended_by": record.ended_by.value}
-                if record.reason
-                else None,
-            ),
+    def _audit_final(
+        self, live: LiveSession, record: ExecutionRecord, code: str | None
+    ) -> AuditEntry:
+        return AuditEntry(
+            principal=live.principals.pop(record.execution_id, live.stored.owner),
+            action="execution",
+            session_id=live.id,
+            execution_id=record.execution_id,
+            code=code,
+            status=record.status.value,
+            duration=record.duration,
+            cpu_seconds=record.cpu_seconds,
+            peak_memory_bytes=record.peak_memory_bytes,
+            output_bytes=record.output_bytes,
+            client=live.clients.pop(record.execution_id, None),
+            detail={"reason": record.reason, "ended_by": record.ended_by.value}
+            if record.reason
+            else None,
         )
 
     async def _watch(self, live: LiveSession, kernel: KernelSession) -> None:

@@ -520,7 +520,13 @@ class SqliteStore:
 
     async def finish_execution(self, record: ExecutionRecord, audit: AuditEntry) -> None:
         """The final record and its audit entry, in one transaction."""
+        await asyncio.shield(self.finish_execution_soon(record, audit))
 
+    def finish_execution_soon(
+        self, record: ExecutionRecord, audit: AuditEntry
+    ) -> asyncio.Future[None]:
+        """:meth:`finish_execution` in this loop turn's commit, without waiting; the future
+        resolves once it is committed."""
         body = record.model_dump_json()
 
         def finish() -> None:
@@ -531,7 +537,7 @@ class SqliteStore:
             )
             self._insert_audit(audit)
 
-        await asyncio.shield(self._in_tick(finish, len(body) + len(audit.code or "")))
+        return self._in_tick(finish, len(body) + len(audit.code or ""))
 
     async def get_execution(self, execution_id: str) -> StoredExecution | None:
         rows = await self._run(self._q, "SELECT * FROM executions WHERE id = ?", (execution_id,))
