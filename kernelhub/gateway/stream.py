@@ -18,7 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 from kernelhub.errors import AuthError, KernelhubError, NotFoundError
 from kernelhub.gateway.auth import client_address, websocket_principal
 from kernelhub.gateway.errors import status_for
-from kernelhub.gateway.ws_protocol import SEND_TEXT_NOW
+from kernelhub.gateway.ws_protocol import FLUSH_NOW, SEND_TEXT_NOW
 from kernelhub.session.fanout import Published, Subscriber
 from kernelhub.session.manager import LiveSession, SessionManager
 from kernelhub.store.sqlite import Principal
@@ -56,7 +56,9 @@ class _Sender:
     def __init__(self, ws: WebSocket) -> None:
         self.ws = ws
         self.lock = asyncio.Lock()
-        self.now = ws.scope.get("extensions", {}).get(SEND_TEXT_NOW)
+        extensions = ws.scope.get("extensions", {})
+        self.now = extensions.get(SEND_TEXT_NOW)
+        self.flush_now = extensions.get(FLUSH_NOW)
         self.waiting = 0  # frames on their way through ASGI (queued on the lock included)
 
     def try_now(self, text: str) -> bool:
@@ -132,7 +134,8 @@ async def _send_events(
     """Replay from the store, then forward live events; returns the close code and reason.
 
     Live events go straight from the store commit's callback to the socket while the
-    client keeps up and nothing is buffered (``Subscriber.direct``, ``ws_protocol``);
+    client keeps up and nothing is buffered (``Subscriber.direct``, ``ws_protocol``), and
+    leave in one write as soon as the commit's events are all offered (``batch_end``);
     otherwise they are buffered and this task sends them. A client that reads slower than
     the kernel writes overflows its buffer: the buffer is dropped and the client catches up
     from the store, page by page, then goes live again — memory stays bounded and nothing
@@ -170,12 +173,13 @@ async def _send_events(
                 if not page:
                     break
             sub.direct = deliver if sender.now is not None else None
+            sub.batch_end = sender.flush_now
             while (item := await sub.get()) is not None:
                 if item.seq <= last:
                     continue
                 await send(_event_frame(item.body))
                 last = item.seq
-            sub.direct = None
+            sub.direct = sub.batch_end = None
             if sub.closed:
                 return CloseCode.SESSION_ENDED, "the session was deleted"
             # Fell behind: re-arm, make the store complete up to now, catch up from it.
@@ -185,7 +189,7 @@ async def _send_events(
         log.warning("session %s: a stream client stopped reading; closing it with 4408", live.id)
         return CloseCode.TOO_SLOW, f"client stopped reading; reconnect with since={last}"
     finally:
-        sub.direct = None
+        sub.direct = sub.batch_end = None
 
 
 async def _receive(

@@ -36,7 +36,9 @@ class Subscriber:
     """One reader's buffer. Its reader may also set ``direct``: a function that takes an
     event and delivers it at once, or returns False if it cannot right now. While nothing
     is buffered, an offered event goes there first (no buffer, no wake-up of the reader);
-    otherwise, or if it says False, the event is buffered, so order is kept."""
+    otherwise, or if it says False, the event is buffered, so order is kept. ``batch_end``,
+    if set, is called once the events of a store commit have all been offered: what
+    ``direct`` delivered can leave together, now."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.queue: asyncio.Queue[Published] = asyncio.Queue()
@@ -45,6 +47,7 @@ class Subscriber:
         self.overflowed = False
         self.closed = False
         self.direct: Callable[[Published], bool] | None = None
+        self.batch_end: Callable[[], None] | None = None
         self._wake = asyncio.Event()
 
     def rearm(self) -> None:
@@ -159,6 +162,9 @@ class SessionFanout:
             self._failed.append(item)
         if self._inflight:
             return
+        for sub in self.subscribers:
+            if sub.batch_end is not None:
+                sub.batch_end()
         if self._failed:
             # Never lose a row silently: say so, and write it again (in order) shortly.
             log.error(

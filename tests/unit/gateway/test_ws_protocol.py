@@ -11,6 +11,7 @@ import uvicorn
 from websockets.asyncio.client import connect
 
 from kernelhub.gateway.ws_protocol import (
+    FLUSH_NOW,
     SEND_TEXT_NOW,
     TurnBufferedWebSocketProtocol,
     _TurnBufferedTransport,
@@ -66,6 +67,20 @@ async def test_writes_of_one_turn_leave_in_one_write_in_order() -> None:
     peer.close()
 
 
+async def test_flush_hands_this_turns_writes_over_at_once() -> None:
+    counting, peer = await _pair()
+    buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
+    buffered.write(b"result;")
+    buffered.write(b"final;")
+    buffered.flush()  # the batch is complete: no wait for the end of the turn
+    assert counting.writes == [b"result;final;"]
+    await asyncio.sleep(0)  # the end of the turn finds nothing left
+    assert counting.writes == [b"result;final;"]
+    buffered.close()
+    assert await asyncio.to_thread(_read_all, peer) == b"result;final;"
+    peer.close()
+
+
 async def test_buffered_bytes_count_toward_the_write_buffer() -> None:
     counting, peer = await _pair()
     buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
@@ -83,10 +98,12 @@ async def test_send_text_now_writes_frames_in_order_on_a_real_server() -> None:
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         now = scope["extensions"][SEND_TEXT_NOW]
+        flush_now = scope["extensions"][FLUSH_NOW]
         await receive()  # websocket.connect
         results.append(now("early"))  # not accepted yet: declines
         await send({"type": "websocket.accept"})
         results.append(now("one"))
+        flush_now()
         await send({"type": "websocket.send", "text": "two"})
         results.append(now("three"))
         await send({"type": "websocket.close", "code": 1000})

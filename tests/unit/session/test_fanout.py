@@ -166,3 +166,18 @@ async def test_direct_delivery_while_nothing_is_buffered_and_order_kept_when_it_
     await fanout.flush()
     assert delivered == [1, 2, 5]
     assert await stored_seqs(store) == [1, 2, 3, 4, 5]  # and all of it is stored
+
+
+async def test_batch_end_once_a_commits_events_are_all_offered(store: SqliteStore) -> None:
+    fanout = SessionFanout(SID, store)
+    sub = fanout.subscribe(1 << 20)
+    seen: list[object] = []
+    sub.direct = lambda item: seen.append(item.seq) is None
+    sub.batch_end = lambda: seen.append("end")
+    fanout.publish(event(1))
+    fanout.publish(event(2))  # the same loop turn: one commit, one batch
+    await fanout.flush()
+    fanout.publish(event(3))
+    await fanout.flush()
+    assert seen == [1, 2, "end", 3, "end"]
+    await fanout.close()
