@@ -65,6 +65,9 @@ from kernelhub.wire import (
 )
 
 log = logging.getLogger(__name__)
+# A cell's final event and its record (two writes), maybe its last output: a commit this
+# small is one cell finishing alone, and its client should not wait for the turn to end.
+_LONE_FINAL_OPS = 4
 
 
 def execution_info(row: StoredExecution, events: list[Event] | None) -> ExecutionInfo:
@@ -418,6 +421,7 @@ class SessionManager(Continuity):
             while len(self._recent_records) > 1024:
                 self._recent_records.popitem(last=False)
             self._finish(live, event.record)
+            self.store.commit_now_if_small(_LONE_FINAL_OPS)
         elif isinstance(event, InputReplyEvent):
             # Who answered (a principal, or the deadline), when, and what.
             entry = AuditEntry(

@@ -316,7 +316,8 @@ class SqliteStore:
         Writes of every session made in the same turn (events, finished executions, new
         rows) share one commit: a commit costs more than the rows in it, and with many
         busy sessions many writes arrive together. Any other store operation commits the
-        pending ones first, so order is kept."""
+        pending ones first, so order is kept; :meth:`commit_now_if_small` lets a lone
+        write someone waits on go before the turn ends."""
         self._tick_ops.append(op)
         self._tick_bytes += size
         if then is not None:
@@ -600,6 +601,14 @@ class SqliteStore:
             )
 
         return self._in_tick(append, len(body), then)
+
+    def commit_now_if_small(self, max_ops: int) -> None:
+        """Commit this turn's writes now rather than at the end of the turn, if there are
+        at most ``max_ops`` of them. For a write someone is waiting on (a cell's final
+        event): alone, it need not wait for the rest of the turn; among many (busy
+        sessions), it keeps riding the shared commit."""
+        if self._tick_done is not None and len(self._tick_ops) <= max_ops:
+            self._flush_tick()
 
     def commit_pending(self, tick: asyncio.Future[None] | None) -> bool:
         """Whether ``tick`` (a future from :meth:`append_event_soon`) is this turn's commit,

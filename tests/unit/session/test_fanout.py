@@ -181,3 +181,22 @@ async def test_batch_end_once_a_commits_events_are_all_offered(store: SqliteStor
     await fanout.flush()
     assert seen == [1, 2, "end", 3, "end"]
     await fanout.close()
+
+
+async def test_a_small_commit_can_go_now_a_big_one_rides_the_turn(store: SqliteStore) -> None:
+    fanout = SessionFanout(SID, store)
+    sub = fanout.subscribe(1 << 20)
+    delivered: list[int] = []
+    sub.direct = lambda item: delivered.append(item.seq) is None
+    fanout.publish(event(1))
+    fanout.publish(event(2))
+    store.commit_now_if_small(2)  # a lone cell's final: committed and delivered at once
+    assert delivered == [1, 2]
+    for seq in range(3, 6):
+        fanout.publish(event(seq))
+    store.commit_now_if_small(2)  # three writes pending: they wait for the end of the turn
+    assert delivered == [1, 2]
+    await fanout.flush()
+    assert delivered == [1, 2, 3, 4, 5]
+    assert await stored_seqs(store) == [1, 2, 3, 4, 5]
+    await fanout.close()
