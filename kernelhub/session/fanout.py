@@ -162,9 +162,6 @@ class SessionFanout:
             self._failed.append(item)
         if self._inflight:
             return
-        for sub in self.subscribers:
-            if sub.batch_end is not None:
-                sub.batch_end()
         if self._failed:
             # Never lose a row silently: say so, and write it again (in order) shortly.
             log.error(
@@ -182,6 +179,12 @@ class SessionFanout:
         else:
             self._release()
         self._settle_flush_waiters()
+        for sub in self.subscribers:
+            if sub.batch_end is not None:
+                try:
+                    sub.batch_end()
+                except Exception:  # a socket's trouble; the store and the rest go on
+                    log.exception("session %s: a subscriber's batch end failed", self.session_id)
 
     def _release(self) -> None:
         """Hand the held rows to the store (they share one commit)."""
