@@ -200,3 +200,20 @@ async def test_a_small_commit_can_go_now_a_big_one_rides_the_turn(store: SqliteS
     assert delivered == [1, 2, 3, 4, 5]
     assert await stored_seqs(store) == [1, 2, 3, 4, 5]
     await fanout.close()
+
+
+async def test_a_failing_batch_end_stalls_nothing(store: SqliteStore) -> None:
+    fanout = SessionFanout(SID, store)
+    sub = fanout.subscribe(1 << 20)
+
+    def broken() -> None:
+        raise OSError("the socket went away")
+
+    sub.batch_end = broken
+    for seq in (1, 2):
+        flushing = asyncio.ensure_future(fanout.flush())  # waits before the commit runs
+        fanout.publish(event(seq))
+        await asyncio.wait_for(flushing, 5)
+    assert [item.seq for item in await take(sub, 2)] == [1, 2]
+    assert await stored_seqs(store) == [1, 2]
+    await fanout.close()
