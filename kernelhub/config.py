@@ -113,6 +113,13 @@ class GatewaySettings(BaseModel):
         ge=64 * 1024,
         description="per WebSocket client; a client further behind is cut off",
     )
+    result_hold: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="seconds a cell's `result` frame may wait for the cell's `final` to leave "
+        "in the same write (0: never wait); it goes out at once with the final, or after this",
+    )
     ws_compression: bool = Field(
         False,
         description="permessage-deflate on the WebSocket: saves bandwidth on slow links at "

@@ -17,8 +17,11 @@ have to wait, and says False otherwise: the caller then uses ASGI's send, which 
 the socket and can time out. Under :data:`FLUSH_NOW`, ``flush_now()`` hands what this turn
 has buffered to the socket at once: a caller that knows its batch is complete (the frames
 of one store commit) need not wait for the end of the turn, which on a busy loop runs
-every other ready callback first (a cell's last frame waited ~0.2 ms for it here). An app
-served by another server simply finds no extensions.
+every other ready callback first (a cell's last frame waited ~0.2 ms for it here).
+``flush_now(hold)`` instead keeps them up to ``hold`` seconds, until the next write: the
+stream uses it for a cell's ``result``, which its ``final`` almost always follows within
+a few milliseconds (see ``stream.py``). An app served by another server simply finds no
+extensions.
 """
 
 from __future__ import annotations
@@ -39,25 +42,48 @@ NOW_LIMIT_BYTES = 256 * 1024
 
 
 class _TurnBufferedTransport:
-    """Writes are joined and sent at the end of the loop turn; everything else is the
-    real transport's (closing sends what is buffered first)."""
+    """Writes are joined and sent at the end of the loop turn, or held a little longer on
+    request (:meth:`flush` with ``hold``); everything else is the real transport's
+    (closing sends what is buffered first)."""
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        self._end_of_turn: asyncio.Handle | None = None
+        self._held: asyncio.TimerHandle | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
             return
-        if not self._pending:
-            self._loop.call_soon(self.flush)
+        # Any write ends a hold at the end of this turn: only what was buffered when the
+        # hold was asked for may wait longer.
+        if self._end_of_turn is None:
+            self._end_of_turn = self._loop.call_soon(self._send)
         self._pending.append(bytes(data))
         self._pending_bytes += len(data)
 
-    def flush(self) -> None:
-        """Hand what is buffered to the socket now (the end of the turn finds nothing)."""
+    def flush(self, hold: float = 0.0) -> None:
+        """Hand what is buffered to the socket now (the end of the turn finds nothing);
+        with ``hold`` > 0, keep it until the next write's turn ends or ``hold`` seconds
+        pass, whichever comes first."""
+        if hold <= 0 or not self._pending:
+            self._send()
+            return
+        if self._end_of_turn is not None:
+            self._end_of_turn.cancel()
+            self._end_of_turn = None
+        if self._held is None:
+            self._held = self._loop.call_later(hold, self._send)
+
+    def _send(self) -> None:
+        if self._end_of_turn is not None:
+            self._end_of_turn.cancel()
+            self._end_of_turn = None
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
         if not self._pending:
             return
         data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
@@ -67,7 +93,7 @@ class _TurnBufferedTransport:
             self._transport.write(data)
 
     def close(self) -> None:
-        self.flush()
+        self._send()
         self._transport.close()
 
     def get_write_buffer_size(self) -> int:
@@ -114,8 +140,10 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
         self.transport.write(b"".join(self.conn.data_to_send()))
         return True
 
-    def flush_now(self) -> None:
-        """Write the frames buffered in this turn now, in order (see the module doc)."""
+    def flush_now(self, hold: float = 0.0) -> None:
+        """Write the frames buffered in this turn now, in order; with ``hold`` > 0, at the
+        latest ``hold`` seconds from now, sooner if anything else is written meanwhile
+        (see the module doc)."""
         transport = self.transport
         if isinstance(transport, _TurnBufferedTransport):
-            transport.flush()
+            transport.flush(hold)

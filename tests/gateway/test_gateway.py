@@ -257,6 +257,29 @@ async def test_disconnecting_client_does_not_stop_the_cell(
     assert "".join(e["text"] for e in events if e["type"] == "stream") == "0\n1\n2\n3\n4\n"
 
 
+async def test_a_result_waits_for_its_final_only_briefly(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    """A cell's `result` may wait for its `final` to share a write (``result_hold``), but a
+    final that is late (a slow post-execute hook here) does not keep the result back."""
+    token = gateway.token("alice")
+    sid = await new_session(http, token)
+    await run(
+        http, token, sid,
+        "import time\nget_ipython().events.register('post_execute', lambda: time.sleep(1.5))",
+    )  # fmt: skip
+    url = f"{gateway.ws_url}/v1/sessions/{sid}/stream"
+    async with connect(url, additional_headers=auth(token)) as ws:
+        seen = json.loads(await ws.recv())["last_seq"]  # hello: the first cell is replayed
+        await ws.send(json.dumps({"type": "execute", "code": "40 + 2", "request_id": "a"}))
+        arrived: dict[str, float] = {}
+        while "final" not in arrived:
+            frame = json.loads(await ws.recv())
+            if frame["type"] == "event" and frame["event"]["seq"] > seen:
+                arrived[frame["event"]["type"]] = asyncio.get_running_loop().time()
+    assert arrived["final"] - arrived["result"] > 1.0
+
+
 async def test_kill_9_and_restart_keeps_variables_and_history(gateway: Gateway) -> None:
     token = gateway.token("alice")
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60 * UNIT) as http:

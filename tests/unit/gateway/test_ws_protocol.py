@@ -81,6 +81,42 @@ async def test_flush_hands_this_turns_writes_over_at_once() -> None:
     peer.close()
 
 
+async def test_a_hold_keeps_what_is_buffered_until_the_next_write() -> None:
+    counting, peer = await _pair()
+    buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
+    buffered.write(b"result;")
+    buffered.flush(hold=5.0)
+    await asyncio.sleep(0.02)  # the end of the turn came and went: still held
+    assert counting.writes == []
+    buffered.write(b"final;")  # the next write ends the hold with its own turn
+    await asyncio.sleep(0)
+    assert counting.writes == [b"result;final;"]
+    buffered.close()
+    assert await asyncio.to_thread(_read_all, peer) == b"result;final;"
+    peer.close()
+
+
+async def test_a_hold_ends_by_itself_and_a_flush_ends_it_early() -> None:
+    counting, peer = await _pair()
+    buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
+    buffered.write(b"result;")
+    buffered.flush(hold=0.05)
+    buffered.flush(hold=5.0)  # a second hold does not push the first one's time back
+    await asyncio.sleep(0.2)
+    assert counting.writes == [b"result;"]
+    buffered.write(b"error;")
+    buffered.flush(hold=5.0)
+    buffered.write(b"final;")
+    buffered.flush()  # a plain flush sends what is held, now
+    assert counting.writes == [b"result;", b"error;final;"]
+    buffered.write(b"late;")
+    buffered.flush(hold=5.0)
+    buffered.close()  # closing sends what is held
+    assert counting.writes == [b"result;", b"error;final;", b"late;"]
+    assert await asyncio.to_thread(_read_all, peer) == b"result;error;final;late;"
+    peer.close()
+
+
 async def test_buffered_bytes_count_toward_the_write_buffer() -> None:
     counting, peer = await _pair()
     buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
