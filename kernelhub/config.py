@@ -113,12 +113,14 @@ class GatewaySettings(BaseModel):
         ge=64 * 1024,
         description="per WebSocket client; a client further behind is cut off",
     )
-    result_hold: float = Field(
-        0.01,
+    coalesce_window: float = Field(
+        0.02,
         ge=0,
         le=1,
-        description="seconds a cell's `result` frame may wait for the cell's `final` to leave "
-        "in the same write (0: never wait); it goes out at once with the final, or after this",
+        description="seconds a cell's state changes (`accepted`, `status`, `result`, `error`) "
+        "may wait for the frame that follows, to leave in the same write and store commit: a "
+        "short cell costs its clients one wake-up and the store one commit. Output and `final` "
+        "never wait. 0: nothing waits",
     )
     ws_compression: bool = Field(
         False,

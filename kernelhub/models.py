@@ -63,6 +63,12 @@ class CellError(BaseModel):
     traceback: list[str] = Field(default_factory=list)
 
 
+# A cell's state changes (and its last words: its value or exception), as opposed to its
+# output: the gateway lets their frames and store writes wait briefly to leave with what
+# follows (``gateway.coalesce_window``); output and a cell's final event never wait.
+QUIET_EVENT_TYPES = frozenset({"status", "result", "error"})
+
+
 class _Event(BaseModel):
     model_config = ConfigDict(frozen=True)
 

@@ -19,6 +19,7 @@ from kernelhub.errors import AuthError, KernelhubError, NotFoundError
 from kernelhub.gateway.auth import client_address, websocket_principal
 from kernelhub.gateway.errors import status_for
 from kernelhub.gateway.ws_protocol import FLUSH_NOW, SEND_TEXT_NOW
+from kernelhub.models import QUIET_EVENT_TYPES
 from kernelhub.session.fanout import Published, Subscriber
 from kernelhub.session.manager import LiveSession, SessionManager
 from kernelhub.store.sqlite import Principal
@@ -46,9 +47,6 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 _CLIENT_FRAME: TypeAdapter[ClientFrame] = TypeAdapter(ClientFrame)
 _REPLAY_PAGE = 500
-# Events a cell emits as its code ends (its value, its exception): its final event follows
-# within a few milliseconds, once the kernel has run its post-execute hooks and replied.
-_TAIL_KINDS = frozenset({"result", "error"})
 _MAX_FRAME_CHARS = 2_000_000
 
 
@@ -67,15 +65,18 @@ class _Sender:
     def try_now(self, text: str) -> bool:
         return self.now is not None and self.waiting == 0 and self.now(text)
 
-    async def send(self, text: str) -> None:
-        if self.try_now(text):
-            return
-        self.waiting += 1
-        try:
-            async with self.lock:
-                await self.ws.send_text(text)
-        finally:
-            self.waiting -= 1
+    async def send(self, text: str, *, wait: float = 0.0) -> None:
+        """Send a frame; with ``wait``, it may wait that long for the frame that follows,
+        to leave in the same write (see ``ws_protocol``)."""
+        if not self.try_now(text):
+            self.waiting += 1
+            try:
+                async with self.lock:
+                    await self.ws.send_text(text)
+            finally:
+                self.waiting -= 1
+        if wait > 0 and self.flush_now is not None:
+            self.flush_now(wait)
 
 
 @router.websocket("/v1/sessions/{session_id}/stream")
@@ -146,9 +147,9 @@ async def _send_events(
     ``stream_stall_timeout`` seconds (close code 4408).
     """
     stall = manager.settings.gateway.stream_stall_timeout
-    hold = manager.settings.gateway.result_hold
+    window = manager.settings.gateway.coalesce_window
     last = since  # the newest event sent
-    tail = False  # the newest event sent directly ends a cell's code (see _TAIL_KINDS)
+    quiet = False  # the newest event sent directly may wait for company (QUIET_EVENT_TYPES)
 
     async def send(text: str) -> None:
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for costs a task per frame.
@@ -156,24 +157,24 @@ async def _send_events(
             await sender.send(text)
 
     def deliver(item: Published) -> bool:
-        nonlocal last, tail
+        nonlocal last, quiet
         if item.seq <= last:
             return True  # replayed already
         if not sender.try_now(_event_frame(item.body)):
             return False
         last = item.seq
-        tail = item.kind in _TAIL_KINDS
+        quiet = item.kind in QUIET_EVENT_TYPES
         return True
 
     def batch_end() -> None:
-        # A cell's result waits (at most `hold`) for its final, to leave in one write: on
-        # loopback each write wakes the client, and the wake-up mid-cell competes with the
-        # kernel for the CPU while it finishes the cell (~0.5 ms of a 1+1 round trip on 2
-        # cores, measured). Anything else leaves now.
-        nonlocal tail
+        # A state change waits (at most `window`) for what follows, to leave in one write:
+        # on loopback each write wakes the client, and a wake-up in the middle of a cell
+        # competes with the kernel for the CPU (measured: ~0.5 ms of a `1+1` round trip on
+        # 2 cores). Output and finals leave now, taking whatever waits with them.
+        nonlocal quiet
         assert sender.flush_now is not None
-        sender.flush_now(hold if tail else 0.0)
-        tail = False
+        sender.flush_now(window if quiet else 0.0)
+        quiet = False
 
     try:
         # Subscribed first, flushed second: every event is either in the store or queued.
@@ -264,10 +265,11 @@ async def _handle(
             code=frame.code, timeout=frame.timeout, idempotency_key=frame.idempotency_key
         )
         row, _, _ = await manager.submit(principal, live.id, body, client)
-        # At once: the cell's first event goes out from this turn's commit, which runs
-        # before the socket's end-of-turn write, so both frames still leave in one write.
+        # Its row is committed at the end of this turn, before the socket writes; the frame
+        # may wait, like the `running` that follows it, for the cell's next frame.
         await sender.send(
-            AcceptedFrame(request_id=frame.request_id, execution_id=row.id).model_dump_json()
+            AcceptedFrame(request_id=frame.request_id, execution_id=row.id).model_dump_json(),
+            wait=manager.settings.gateway.coalesce_window,
         )
     elif isinstance(frame, InterruptFrame):
         running = live.kernel.running if live.kernel else None

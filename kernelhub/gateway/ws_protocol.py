@@ -18,9 +18,9 @@ the socket and can time out. Under :data:`FLUSH_NOW`, ``flush_now()`` hands what
 has buffered to the socket at once: a caller that knows its batch is complete (the frames
 of one store commit) need not wait for the end of the turn, which on a busy loop runs
 every other ready callback first (a cell's last frame waited ~0.2 ms for it here).
-``flush_now(hold)`` instead keeps them up to ``hold`` seconds, until the next write: the
-stream uses it for a cell's ``result``, which its ``final`` almost always follows within
-a few milliseconds (see ``stream.py``). An app served by another server simply finds no
+``flush_now(hold)`` instead keeps them up to ``hold`` seconds, until a write that is not
+held itself: the stream uses it for a cell's state changes (``accepted``, ``running``,
+its ``result``), which its output or ``final`` soon follows (see ``stream.py``). An app served by another server simply finds no
 extensions.
 """
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
-from kernelhub.models import Event
+from kernelhub.models import QUIET_EVENT_TYPES, Event
 from kernelhub.store.sqlite import SqliteStore
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ class SessionFanout:
         *,
         on_error: Callable[[Exception], None] | None = None,
         retry_after: float = 0.5,
+        quiet_wait: float = 0.0,
     ) -> None:
         self.session_id = session_id
         self.store = store
@@ -112,6 +113,7 @@ class SessionFanout:
         self._flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._on_error = on_error
         self._retry_after = retry_after
+        self._quiet_wait = quiet_wait  # how long a quiet event's commit may wait for more
         self._tick: asyncio.Future[None] | None = None  # the commit our newest rows are in
         self._inflight = 0  # rows handed to the store, not committed (or failed) yet
         self._held: list[Published] = []  # waiting for the rows ahead of them
@@ -143,6 +145,7 @@ class SessionFanout:
         target = self._published_seq
         if self._flushed_seq >= target:
             return
+        self.store.hurry()  # someone waits: quiet events need not wait for company
         fut = asyncio.get_running_loop().create_future()
         self._flush_waiters.append((target, fut))
         await fut
@@ -150,8 +153,9 @@ class SessionFanout:
     def _write(self, item: Published) -> None:
         self._inflight += 1
         self._tick = self.store.append_event_soon(
-            self.session_id, item.seq, item.execution_id, item.body, partial(self._stored, item)
-        )
+            self.session_id, item.seq, item.execution_id, item.body, partial(self._stored, item),
+            wait=self._quiet_wait if item.kind in QUIET_EVENT_TYPES else 0.0,
+        )  # fmt: skip
 
     def _stored(self, item: Published, error: Exception | None) -> None:
         self._inflight -= 1

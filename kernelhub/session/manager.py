@@ -246,7 +246,9 @@ class SessionManager(Continuity):
     # -- sessions ----------------------------------------------------------------------
 
     def _fanout(self, session_id: str) -> SessionFanout:
-        return SessionFanout(session_id, self.store)
+        return SessionFanout(
+            session_id, self.store, quiet_wait=self.settings.gateway.coalesce_window
+        )
 
     def resolve_limits(self, requested: LimitsIn) -> Limits:
         """The limits a session gets: the defaults, with what was asked for within the

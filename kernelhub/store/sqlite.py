@@ -246,6 +246,9 @@ class SqliteStore:
         self._tick_then: list[Callable[[Exception | None], None]] = []
         self._tick_bytes = 0
         self._tick_done: asyncio.Future[None] | None = None
+        # When it runs: the end of this turn, or a timer while every write in it may wait.
+        self._tick_handle: asyncio.Handle | None = None
+        self._tick_timed = False
 
     @classmethod
     async def open(cls, path: Path) -> SqliteStore:
@@ -309,6 +312,8 @@ class SqliteStore:
         op: Callable[[], object],
         size: int,
         then: Callable[[Exception | None], None] | None = None,
+        *,
+        wait: float = 0.0,
     ) -> asyncio.Future[None]:
         """Add a write to this loop turn's transaction; the future resolves once it is
         committed, and ``then`` (if given) is called right after the commit, on the loop,
@@ -317,18 +322,40 @@ class SqliteStore:
         rows) share one commit: a commit costs more than the rows in it, and with many
         busy sessions many writes arrive together. Any other store operation commits the
         pending ones first, so order is kept; :meth:`commit_now_if_small` lets a lone
-        write someone waits on go before the turn ends."""
+        write someone waits on go before the turn ends.
+
+        A write that may ``wait`` (seconds) lets the commit wait for the writes that
+        follow it, up to then: while every write in it may wait, the commit runs on a
+        timer (the first one's), and the first write that may not brings it back to the
+        end of the turn. :meth:`hurry` does the same for a caller who waits on it."""
         self._tick_ops.append(op)
         self._tick_bytes += size
         if then is not None:
             self._tick_then.append(then)
+        loop = asyncio.get_running_loop()
         if self._tick_done is None:
-            loop = asyncio.get_running_loop()
             self._tick_done = loop.create_future()
-            loop.call_soon(self._flush_tick)
+            if wait > 0:
+                self._tick_handle = loop.call_later(wait, self._flush_tick)
+                self._tick_timed = True
+            else:
+                self._tick_handle = loop.call_soon(self._flush_tick)
+        elif wait <= 0:
+            self.hurry()
         return self._tick_done
 
+    def hurry(self) -> None:
+        """Commit the pending writes at the end of this turn, even those that may wait."""
+        if self._tick_done is not None and self._tick_timed:
+            assert self._tick_handle is not None
+            self._tick_handle.cancel()
+            self._tick_handle = asyncio.get_running_loop().call_soon(self._flush_tick)
+            self._tick_timed = False
+
     def _flush_tick(self) -> None:
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()  # it may be this very call: harmless
+            self._tick_handle, self._tick_timed = None, False
         done = self._tick_done
         if done is None:
             return
@@ -587,8 +614,11 @@ class SqliteStore:
         execution_id: str,
         body: str,
         then: Callable[[Exception | None], None],
+        *,
+        wait: float = 0.0,
     ) -> asyncio.Future[None]:
-        """Add an event row (its JSON ``body``) to this loop turn's commit; ``then(error)``
+        """Add an event row (its JSON ``body``) to this loop turn's commit, or with ``wait``
+        to a commit that may wait that long for the writes that follow; ``then(error)``
         runs right after that commit (see ``_in_tick``). Returns the commit's future: see
         :meth:`commit_pending`."""
         row = (session_id, seq, execution_id, body)
@@ -600,7 +630,7 @@ class SqliteStore:
                 row,
             )
 
-        return self._in_tick(append, len(body), then)
+        return self._in_tick(append, len(body), then, wait=wait)
 
     def commit_now_if_small(self, max_ops: int) -> None:
         """Commit this turn's writes now rather than at the end of the turn, if there are
@@ -611,7 +641,7 @@ class SqliteStore:
             self._flush_tick()
 
     def commit_pending(self, tick: asyncio.Future[None] | None) -> bool:
-        """Whether ``tick`` (a future from :meth:`append_event_soon`) is this turn's commit,
+        """Whether ``tick`` (a future from :meth:`append_event_soon`) is the pending commit,
         not begun yet: a write added now still lands in it."""
         return tick is not None and tick is self._tick_done
 

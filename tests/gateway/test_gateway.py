@@ -260,8 +260,8 @@ async def test_disconnecting_client_does_not_stop_the_cell(
 async def test_a_result_waits_for_its_final_only_briefly(
     gateway: Gateway, http: httpx.AsyncClient
 ) -> None:
-    """A cell's `result` may wait for its `final` to share a write (``result_hold``), but a
-    final that is late (a slow post-execute hook here) does not keep the result back."""
+    """A cell's `result` may wait for its `final` to share a write (``coalesce_window``),
+    but a final that is late (a slow post-execute hook here) does not keep it back."""
     token = gateway.token("alice")
     sid = await new_session(http, token)
     await run(
@@ -278,6 +278,7 @@ async def test_a_result_waits_for_its_final_only_briefly(
             if frame["type"] == "event" and frame["event"]["seq"] > seen:
                 arrived[frame["event"]["type"]] = asyncio.get_running_loop().time()
     assert arrived["final"] - arrived["result"] > 1.0
+    assert arrived["final"] - arrived["status"] > 1.0  # `running`, like `accepted`, too
 
 
 async def test_kill_9_and_restart_keeps_variables_and_history(gateway: Gateway) -> None:

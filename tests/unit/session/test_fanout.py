@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelhub.models import StreamEvent
+from kernelhub.models import ExecutionStatus, StatusEvent, StreamEvent
 from kernelhub.session.fanout import Published, SessionFanout, Subscriber
 from kernelhub.store.sqlite import SqliteStore
 
@@ -216,4 +216,38 @@ async def test_a_failing_batch_end_stalls_nothing(store: SqliteStore) -> None:
         await asyncio.wait_for(flushing, 5)
     assert [item.seq for item in await take(sub, 2)] == [1, 2]
     assert await stored_seqs(store) == [1, 2]
+    await fanout.close()
+
+
+async def test_quiet_events_wait_for_company_or_their_window(store: SqliteStore) -> None:
+    """A status event's commit waits (``quiet_wait``) for the writes that follow and goes
+    with the first output; alone, it goes when its window ends; a flush does not wait."""
+    fanout = SessionFanout(SID, store, quiet_wait=0.3)
+    sub = fanout.subscribe(1 << 20)
+    commits: list[list[int]] = []
+    sub.direct = lambda item: commits[-1].append(item.seq) is None
+    sub.batch_end = lambda: commits.append([])
+    commits.append([])
+
+    def running(seq: int) -> StatusEvent:
+        return StatusEvent(execution_id="e1", seq=seq, status=ExecutionStatus.RUNNING)
+
+    fanout.publish(running(1))
+    await asyncio.sleep(0.05)
+    assert commits == [[]]  # (not asking the store: a read commits what is pending)
+    fanout.publish(running(2))
+    fanout.publish(event(3))  # output: the commit goes at the end of this turn, all three
+    await asyncio.sleep(0.01)
+    assert commits == [[1, 2, 3], []]
+
+    fanout.publish(running(4))  # alone: after its window
+    await asyncio.sleep(0.1)
+    assert commits == [[1, 2, 3], []]
+    await asyncio.sleep(0.4)
+    assert commits == [[1, 2, 3], [4], []]
+
+    fanout.publish(running(5))
+    await asyncio.wait_for(fanout.flush(), 0.1)  # someone waits: no window
+    assert commits == [[1, 2, 3], [4], [5], []]
+    assert await stored_seqs(store) == [1, 2, 3, 4, 5]
     await fanout.close()
