@@ -355,6 +355,19 @@ class KernelSession:
         session's ``cell_timeout``. Refused while the session is paused. With
         ``keep_events=False`` the handle keeps only the final event (consume the rest
         through a listener)."""
+        return self.submit_nowait(
+            code, timeout=timeout, execution_id=execution_id, keep_events=keep_events
+        )
+
+    def submit_nowait(
+        self,
+        code: str,
+        *,
+        timeout: float | None = _UNSET,
+        execution_id: str | None = None,
+        keep_events: bool = True,
+    ) -> ExecutionHandle:
+        """:meth:`submit`, which never has to wait: for callers that are not coroutines."""
         self._check_open()
         if self._paused:
             raise SessionError("the session is paused; resume it before executing")

@@ -20,13 +20,21 @@ of one store commit) need not wait for the end of the turn, which on a busy loop
 every other ready callback first (a cell's last frame waited ~0.2 ms for it here).
 ``flush_now(hold)`` instead keeps them up to ``hold`` seconds, until a write that is not
 held itself: the stream uses it for a cell's state changes (``accepted``, ``running``,
-its ``result``), which its output or ``final`` soon follows (see ``stream.py``). An app served by another server simply finds no
-extensions.
+its ``result``), which its output or ``final`` soon follows (see ``stream.py``).
+
+Receiving has the same detour in the other direction (the frame is queued, reading is
+paused, a task wakes up, reading resumes: two system calls and a loop turn per frame).
+Under :data:`RECEIVE_TEXT_NOW`, ``receive_text_now(handler)`` has text frames offered to
+``handler(text) -> bool`` as they arrive; the stream takes an ``execute`` there and hands
+its cell to the kernel in the same callback. An app served by another server simply
+finds no extensions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -35,10 +43,13 @@ from websockets.http11 import Request
 
 SEND_TEXT_NOW = "kernelhub.websocket.send_text_now"
 FLUSH_NOW = "kernelhub.websocket.flush_now"
+RECEIVE_TEXT_NOW = "kernelhub.websocket.receive_text_now"
 # Beyond this many bytes unsent, send_text_now declines. uvicorn's flow control pauses
 # only once the socket's own buffer is full, at the end of a turn; within a turn a burst
 # of events would otherwise pile up here without bound.
 NOW_LIMIT_BYTES = 256 * 1024
+
+log = logging.getLogger(__name__)
 
 
 class _TurnBufferedTransport:
@@ -106,6 +117,8 @@ class _TurnBufferedTransport:
 class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
     """Pass as ``uvicorn.run(..., ws=TurnBufferedWebSocketProtocol)``."""
 
+    _on_text: Callable[[str], bool] | None = None
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # reads addresses from the real transport
         # (uvloop's transports are not asyncio.Transport subclasses: no isinstance check)
@@ -118,6 +131,7 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
         if scope is not None:
             scope["extensions"][SEND_TEXT_NOW] = self.send_text_now
             scope["extensions"][FLUSH_NOW] = self.flush_now
+            scope["extensions"][RECEIVE_TEXT_NOW] = self.receive_text_now
 
     def send_text_now(self, text: str) -> bool:
         """Send ``text`` as one text frame now, exactly as ASGI's ``websocket.send`` would,
@@ -147,3 +161,31 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
         transport = self.transport
         if isinstance(transport, _TurnBufferedTransport):
             transport.flush(hold)
+
+    def receive_text_now(self, handler: Callable[[str], bool] | None) -> None:
+        """Offer each text frame to ``handler`` as it arrives, while no earlier frame waits
+        for ASGI's ``receive``: True means it took the frame, False leaves the frame to
+        ``receive`` as usual (so does an exception, which is logged). None stops it."""
+        self._on_text = handler
+
+    def send_receive_event_to_app(self) -> None:
+        handler = self._on_text
+        if (
+            handler is not None
+            and self.curr_msg_data_type == "text"
+            and not self.close_sent
+            and not self.read_paused  # reading is paused while a frame waits in the queue
+            and self.queue.empty()
+        ):
+            data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+            try:
+                taken = handler(data.decode())
+            except UnicodeDecodeError:
+                taken = False  # ASGI's path closes the connection with 1007
+            except Exception:
+                log.exception("a WebSocket text handler failed; the frame goes through ASGI")
+                taken = False
+            if taken:
+                self.frames = []
+                return
+        super().send_receive_event_to_app()

@@ -629,14 +629,47 @@ class SessionManager(Continuity):
                     )
                 return existing, live.kernel.get(existing.id) if live.kernel else None, False
         kernel = await self._awake(live)
+        row = self._new_execution(principal, live, kernel, body)
+        if body.idempotency_key is not None:
+            stored = await self.store.insert_execution(row)
+            if stored.id != row.id:  # a concurrent retry with the same key won the race
+                return stored, kernel.get(stored.id), False
+        return row, self._start(live, kernel, row, body, client), True
+
+    def submit_now(
+        self,
+        principal: Principal,
+        session_id: str,
+        body: ExecutionCreate,
+        client: str | None = None,
+    ) -> tuple[StoredExecution, ExecutionHandle] | None:
+        """:meth:`submit` for a caller that cannot wait (the WebSocket's receive path), when
+        there is nothing to wait for: no idempotency key to look up, the kernel awake.
+        None when :meth:`submit` is needed; its errors otherwise, nothing queued."""
+        live = self._get(principal, session_id)
+        kernel = live.kernel
+        if (
+            body.idempotency_key is not None
+            or live.state not in (SessionState.READY, SessionState.BUSY, SessionState.PAUSED)
+            or kernel is None
+            or not kernel.alive
+        ):
+            return None
+        live.last_active = time.monotonic()
+        row = self._new_execution(principal, live, kernel, body)
+        return row, self._start(live, kernel, row, body, client)
+
+    def _new_execution(
+        self, principal: Principal, live: LiveSession, kernel: KernelSession, body: ExecutionCreate
+    ) -> StoredExecution:
         if kernel.queue_length >= self.settings.gateway.max_queued_per_session:
             raise QuotaError(
-                f"session {session_id} already has {kernel.queue_length} cells queued; wait for some to finish",
+                f"session {live.id} already has {kernel.queue_length} cells queued; wait for some to finish",
                 retry_after=2,
             )
-        row = StoredExecution(
+        return StoredExecution(
             id=uuid.uuid4().hex,
-            session_id=session_id,
+            session_id=live.id,
             owner=principal.name,
             code=body.code,
             status=ExecutionStatus.QUEUED,
@@ -644,24 +677,29 @@ class SessionManager(Continuity):
             created_at=datetime.now(UTC),
             record=None,
         )
-        if body.idempotency_key is not None:
-            stored = await self.store.insert_execution(row)
-            if stored.id != row.id:  # a concurrent retry with the same key won the race
-                return stored, kernel.get(stored.id), False
-        live.principals[row.id] = principal.name
+
+    def _start(
+        self,
+        live: LiveSession,
+        kernel: KernelSession,
+        row: StoredExecution,
+        body: ExecutionCreate,
+        client: str | None,
+    ) -> ExecutionHandle:
+        live.principals[row.id] = row.owner
         live.codes[row.id] = body.code
         if client:
             live.clients[row.id] = client
         kwargs = {} if body.timeout is None else {"timeout": body.timeout}
         # The kernel first (an idle kernel gets the cell right here), the bookkeeping after.
-        handle = await kernel.submit(
+        handle = kernel.submit_nowait(
             body.code, execution_id=row.id, keep_events=body.wait, **kwargs
         )
         if body.idempotency_key is None:
             # Nothing to check against: record it without waiting. It joins this loop
             # turn's commit, ahead of the cell's events and of every later store call.
             self._spawn(self.store.insert_execution_soon(row))
-        return row, handle, True
+        return handle
 
     async def _awake(self, live: LiveSession) -> KernelSession:
         """The session's kernel, woken from hibernation first if need be, or after a

@@ -4,7 +4,9 @@ and nothing lost when the connection closes; and ``send_text_now`` on a real ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
@@ -12,6 +14,7 @@ from websockets.asyncio.client import connect
 
 from kernelhub.gateway.ws_protocol import (
     FLUSH_NOW,
+    RECEIVE_TEXT_NOW,
     SEND_TEXT_NOW,
     TurnBufferedWebSocketProtocol,
     _TurnBufferedTransport,
@@ -127,6 +130,31 @@ async def test_buffered_bytes_count_toward_the_write_buffer() -> None:
     peer.close()
 
 
+@contextlib.asynccontextmanager
+async def _server(app: Any) -> AsyncIterator[int]:
+    """uvicorn with our protocol serving ``app`` on a loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        ws=TurnBufferedWebSocketProtocol,
+        lifespan="off",
+        log_level="warning",
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        yield port
+    finally:
+        server.should_exit = True
+        await serving
+
+
 async def test_send_text_now_writes_frames_in_order_on_a_real_server() -> None:
     """uvicorn with our protocol, a real client: the scope offers ``send_text_now``; frames
     it sends arrive in order among ASGI's own; after close it declines instead of raising."""
@@ -145,26 +173,56 @@ async def test_send_text_now_writes_frames_in_order_on_a_real_server() -> None:
         await send({"type": "websocket.close", "code": 1000})
         results.append(now("late"))  # closing: declines
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        ws=TurnBufferedWebSocketProtocol,
-        lifespan="off",
-        log_level="warning",
-    )
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        async with connect(f"ws://127.0.0.1:{port}/") as ws:
-            got = [msg async for msg in ws]
-        assert got == ["one", "two", "three"]
-        assert results == [False, True, True, False]
-    finally:
-        server.should_exit = True
-        await serving
+    async with _server(app) as port, connect(f"ws://127.0.0.1:{port}/") as ws:
+        got = [msg async for msg in ws]
+    assert got == ["one", "two", "three"]
+    assert results == [False, True, True, False]
+
+
+async def test_receive_text_now_takes_frames_as_they_arrive_on_a_real_server() -> None:
+    """Frames the handler takes never reach ASGI's receive; those it leaves (or fails on)
+    do. The app keeps its own order as the stream does: its handler takes nothing while
+    the app is busy with a frame from ``receive``."""
+    taken: list[str] = []
+    received: list[str] = []
+    busy = False
+
+    def handler(text: str) -> bool:
+        if text == "boom":
+            raise RuntimeError("a bug in the handler")
+        if text.startswith("now") and not busy:
+            taken.append(text)
+            return True
+        return False
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal busy
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        scope["extensions"][RECEIVE_TEXT_NOW](handler)
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            busy = True
+            received.append(message["text"])
+            if message["text"] == "slow":
+                await asyncio.sleep(0.2)  # a frame that takes a while: the next ones wait
+            await send({"type": "websocket.send", "text": "ack " + message["text"]})
+            busy = False
+
+    async with _server(app) as port, connect(f"ws://127.0.0.1:{port}/") as ws:
+        await ws.send("now 1")
+        await ws.send("later 2")
+        assert await ws.recv() == "ack later 2"
+        await ws.send("boom")
+        assert await ws.recv() == "ack boom"
+        await ws.send("slow")
+        await asyncio.sleep(0.05)
+        await ws.send("now 3")  # "slow" is still being handled: this one waits its turn
+        assert await ws.recv() == "ack slow"
+        assert await ws.recv() == "ack now 3"
+        await ws.send("now 4")
+        await asyncio.sleep(0.1)
+    assert taken == ["now 1", "now 4"]
+    assert received == ["later 2", "boom", "slow", "now 3"]
