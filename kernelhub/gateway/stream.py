@@ -251,8 +251,7 @@ async def _receive(
             return False  # nothing was queued: the usual path says what went wrong
         if submitted is None:
             return False
-        accepted = AcceptedFrame(request_id=frame.request_id, execution_id=submitted[0].id)
-        sender.send_soon(accepted.model_dump_json(), wait=window)
+        _accept(manager, sender, frame, submitted[0].id, window)
         return True
 
     offer = ws.scope.get("extensions", {}).get(RECEIVE_TEXT_NOW)
@@ -272,6 +271,15 @@ async def _receive(
     finally:
         if offer is not None:
             offer(None)
+
+
+def _accept(
+    manager: SessionManager, sender: _Sender, frame: ExecuteFrame, execution_id: str, window: float
+) -> None:
+    """Send ``accepted`` once the execution's row is committed; like the `running` that
+    comes with it, it may wait briefly for the cell's next frame."""
+    text = AcceptedFrame(request_id=frame.request_id, execution_id=execution_id).model_dump_json()
+    manager.when_stored(execution_id, lambda: sender.send_soon(text, wait=window))
 
 
 def _execution_create(frame: ExecuteFrame) -> ExecutionCreate:
@@ -331,12 +339,7 @@ async def _handle(
         await sender.send(PongFrame(request_id=frame.request_id).model_dump_json())
     elif isinstance(frame, ExecuteFrame):
         row, _, _ = await manager.submit(principal, live.id, _execution_create(frame), client)
-        # Its row is committed at the end of this turn, before the socket writes; the frame
-        # may wait, like the `running` that follows it, for the cell's next frame.
-        await sender.send(
-            AcceptedFrame(request_id=frame.request_id, execution_id=row.id).model_dump_json(),
-            wait=manager.settings.gateway.coalesce_window,
-        )
+        _accept(manager, sender, frame, row.id, manager.settings.gateway.coalesce_window)
     elif isinstance(frame, InterruptFrame):
         running = live.kernel.running if live.kernel else None
         if running is None:

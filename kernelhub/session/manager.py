@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import psutil
@@ -135,6 +136,8 @@ class SessionManager(Continuity):
         self.sessions: dict[str, LiveSession] = {}
         self._recent_records: OrderedDict[str, ExecutionRecord] = OrderedDict()
         self._settled: dict[str, asyncio.Future[None]] = {}
+        # New rows not committed yet, with what to do once they are (see when_stored).
+        self._storing: dict[str, list[Callable[[], None]]] = {}
         self.blobs = BlobStore(settings.data_dir)
         self._tasks: set[asyncio.Task[None]] = set()
         budget = settings.gateway.memory_budget_bytes
@@ -696,10 +699,37 @@ class SessionManager(Continuity):
             body.code, execution_id=row.id, keep_events=body.wait, **kwargs
         )
         if body.idempotency_key is None:
-            # Nothing to check against: record it without waiting. It joins this loop
-            # turn's commit, ahead of the cell's events and of every later store call.
-            self._spawn(self.store.insert_execution_soon(row))
+            # Nothing to check against: record it without waiting. It joins the pending
+            # commit, ahead of every later store call; like the cell's `running`, it may
+            # wait there briefly for the cell's next event (see coalesce_window).
+            self._storing[row.id] = []
+            self._spawn(
+                self.store.insert_execution_soon(
+                    row,
+                    partial(self._stored, row.id),
+                    wait=self.settings.gateway.coalesce_window,
+                )
+            )
         return handle
+
+    def when_stored(self, execution_id: str, then: Callable[[], None]) -> None:
+        """Call ``then`` once the execution's row is committed (at once if it is), from
+        the commit's callbacks, before the events committed after the row are handed to
+        subscribers: tell no one about an execution that a crash could still lose."""
+        waiting = self._storing.get(execution_id)
+        if waiting is None:
+            then()
+        else:
+            waiting.append(then)
+
+    def _stored(self, execution_id: str, error: Exception | None) -> None:
+        if error is not None:
+            log.error("storing execution %s failed: %s", execution_id, error)
+        for then in self._storing.pop(execution_id, []):
+            try:
+                then()
+            except Exception:
+                log.exception("a callback on execution %s failed", execution_id)
 
     async def _awake(self, live: LiveSession) -> KernelSession:
         """The session's kernel, woken from hibernation first if need be, or after a

@@ -514,10 +514,17 @@ class SqliteStore:
 
     # -- executions --------------------------------------------------------------------
 
-    def insert_execution_soon(self, e: StoredExecution) -> asyncio.Future[None]:
+    def insert_execution_soon(
+        self,
+        e: StoredExecution,
+        then: Callable[[Exception | None], None] | None = None,
+        *,
+        wait: float = 0.0,
+    ) -> asyncio.Future[None]:
         """Queue the insert now, without waiting: every later call runs after it, so
-        readers and updates always find the row."""
-        return self._in_tick(lambda: self._insert_execution(e), len(e.code))
+        readers and updates always find the row. ``then`` and ``wait``: as in
+        :meth:`append_event_soon`."""
+        return self._in_tick(lambda: self._insert_execution(e), len(e.code), then, wait=wait)
 
     async def insert_execution(self, e: StoredExecution) -> StoredExecution:
         """Insert; if the owner already used the idempotency key, return that execution."""
