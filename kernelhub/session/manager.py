@@ -66,9 +66,11 @@ from kernelhub.wire import (
 )
 
 log = logging.getLogger(__name__)
-# A cell's final event and its record (two writes), maybe its last output: a commit this
-# small is one cell finishing alone, and its client should not wait for the turn to end.
-_LONE_FINAL_OPS = 4
+# A cell's final event and its record (two writes), maybe its last output, and what may
+# have waited for them (its row, its running and result events: coalesce_window): a
+# commit this small is one cell finishing alone, and its client should not wait for the
+# turn to end.
+_LONE_FINAL_OPS = 8
 
 
 def execution_info(row: StoredExecution, events: list[Event] | None) -> ExecutionInfo:
