@@ -264,8 +264,38 @@ async def _receive(
             except (WebSocketDisconnect, RuntimeError, KeyError):
                 return  # the client left (binary frames are refused the same way)
             busy = True
+            request_id = None
             try:
-                await _receive_one(text, sender, manager, principal, live, client)
+                if len(text) > _MAX_FRAME_CHARS:
+                    raise ValueError(f"frame larger than {_MAX_FRAME_CHARS} characters")
+                frame = _CLIENT_FRAME.validate_json(text)
+                request_id = frame.request_id
+                await _handle(frame, sender, manager, principal, live, client)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc']) or 'frame'}: {e['msg']}"
+                    for e in exc.errors()[:5]
+                )
+                await sender.send(
+                    ErrorFrame(
+                        request_id=request_id,
+                        error="invalid_frame",
+                        message=f"fix the frame: {problems}",
+                    ).model_dump_json()
+                )
+            except ValueError as exc:
+                await sender.send(
+                    ErrorFrame(
+                        request_id=request_id, error="invalid_frame", message=str(exc)
+                    ).model_dump_json()
+                )
+            except KernelhubError as exc:
+                _, code = status_for(exc)
+                await sender.send(
+                    ErrorFrame(
+                        request_id=request_id, error=code, message=str(exc)
+                    ).model_dump_json()
+                )
             finally:
                 busy = False
     finally:
@@ -286,45 +316,6 @@ def _execution_create(frame: ExecuteFrame) -> ExecutionCreate:
     return ExecutionCreate(
         code=frame.code, timeout=frame.timeout, idempotency_key=frame.idempotency_key
     )
-
-
-async def _receive_one(
-    text: str,
-    sender: _Sender,
-    manager: SessionManager,
-    principal: Principal,
-    live: LiveSession,
-    client: str | None,
-) -> None:
-    request_id = None
-    try:
-        if len(text) > _MAX_FRAME_CHARS:
-            raise ValueError(f"frame larger than {_MAX_FRAME_CHARS} characters")
-        frame = _CLIENT_FRAME.validate_json(text)
-        request_id = frame.request_id
-        await _handle(frame, sender, manager, principal, live, client)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'frame'}: {e['msg']}" for e in exc.errors()[:5]
-        )
-        await sender.send(
-            ErrorFrame(
-                request_id=request_id,
-                error="invalid_frame",
-                message=f"fix the frame: {problems}",
-            ).model_dump_json()
-        )
-    except ValueError as exc:
-        await sender.send(
-            ErrorFrame(
-                request_id=request_id, error="invalid_frame", message=str(exc)
-            ).model_dump_json()
-        )
-    except KernelhubError as exc:
-        _, code = status_for(exc)
-        await sender.send(
-            ErrorFrame(request_id=request_id, error=code, message=str(exc)).model_dump_json()
-        )
 
 
 async def _handle(

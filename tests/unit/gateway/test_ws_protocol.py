@@ -44,6 +44,13 @@ async def _pair() -> tuple[_CountingTransport, socket.socket]:
     return _CountingTransport(real), peer
 
 
+async def _buffered() -> tuple[_TurnBufferedTransport, _CountingTransport, socket.socket]:
+    """A turn-buffered transport over a counting one, and the socket at the other end."""
+    counting, peer = await _pair()
+    buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
+    return buffered, counting, peer
+
+
 def _read_all(peer: socket.socket) -> bytes:
     chunks = []
     while chunk := peer.recv(65536):
@@ -52,9 +59,7 @@ def _read_all(peer: socket.socket) -> bytes:
 
 
 async def test_writes_of_one_turn_leave_in_one_write_in_order() -> None:
-    counting, peer = await _pair()
-    loop = asyncio.get_running_loop()
-    buffered = _TurnBufferedTransport(counting, loop)  # type: ignore[arg-type]
+    buffered, counting, peer = await _buffered()
     buffered.write(b"accepted;")
     buffered.write(b"running;")
     assert counting.writes == []  # nothing before the turn ends
@@ -71,8 +76,7 @@ async def test_writes_of_one_turn_leave_in_one_write_in_order() -> None:
 
 
 async def test_flush_hands_this_turns_writes_over_at_once() -> None:
-    counting, peer = await _pair()
-    buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
+    buffered, counting, peer = await _buffered()
     buffered.write(b"result;")
     buffered.write(b"final;")
     buffered.flush()  # the batch is complete: no wait for the end of the turn
@@ -85,8 +89,7 @@ async def test_flush_hands_this_turns_writes_over_at_once() -> None:
 
 
 async def test_a_hold_keeps_what_is_buffered_until_the_next_write() -> None:
-    counting, peer = await _pair()
-    buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
+    buffered, counting, peer = await _buffered()
     buffered.write(b"result;")
     buffered.flush(hold=5.0)
     await asyncio.sleep(0.02)  # the end of the turn came and went: still held
@@ -100,8 +103,7 @@ async def test_a_hold_keeps_what_is_buffered_until_the_next_write() -> None:
 
 
 async def test_a_hold_ends_by_itself_and_a_flush_ends_it_early() -> None:
-    counting, peer = await _pair()
-    buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
+    buffered, counting, peer = await _buffered()
     buffered.write(b"result;")
     buffered.flush(hold=0.05)
     buffered.flush(hold=5.0)  # a second hold does not push the first one's time back
@@ -121,8 +123,7 @@ async def test_a_hold_ends_by_itself_and_a_flush_ends_it_early() -> None:
 
 
 async def test_buffered_bytes_count_toward_the_write_buffer() -> None:
-    counting, peer = await _pair()
-    buffered = _TurnBufferedTransport(counting, asyncio.get_running_loop())  # type: ignore[arg-type]
+    buffered, _, peer = await _buffered()
     buffered.write(b"x" * 100)
     assert buffered.get_write_buffer_size() >= 100
     assert not buffered.is_closing()  # everything else is the real transport's
