@@ -652,13 +652,8 @@ class SessionManager(Continuity):
         there is nothing to wait for: no idempotency key to look up, the kernel awake.
         None when :meth:`submit` is needed; its errors otherwise, nothing queued."""
         live = self._get(principal, session_id)
-        kernel = live.kernel
-        if (
-            body.idempotency_key is not None
-            or live.state not in (SessionState.READY, SessionState.BUSY, SessionState.PAUSED)
-            or kernel is None
-            or not kernel.alive
-        ):
+        kernel = self._ready_kernel(live)
+        if body.idempotency_key is not None or kernel is None:
             return None
         live.last_active = time.monotonic()
         row = self._new_execution(principal, live, kernel, body)
@@ -737,6 +732,8 @@ class SessionManager(Continuity):
         """The session's kernel, woken from hibernation first if need be, or after a
         crash the recovered one (requests wait for the recovery rather than fail)."""
         live.last_active = time.monotonic()
+        if (kernel := self._ready_kernel(live)) is not None:
+            return kernel
         if live.kernel is None and live.wake_lock.locked():
             async with live.wake_lock:  # a hibernation in progress: let it finish
                 pass
@@ -754,6 +751,19 @@ class SessionManager(Continuity):
             if live.state == SessionState.HIBERNATED:
                 await self._wake(live)
         return self._kernel(live)
+
+    @staticmethod
+    def _ready_kernel(live: LiveSession) -> KernelSession | None:
+        """The session's kernel if it takes cells right now (no wake-up, no recovery to
+        wait for), else None."""
+        kernel = live.kernel
+        if (
+            live.state in (SessionState.READY, SessionState.BUSY, SessionState.PAUSED)
+            and kernel is not None
+            and kernel.alive
+        ):
+            return kernel
+        return None
 
     def _kernel(self, live: LiveSession) -> KernelSession:
         if live.state == SessionState.HIBERNATED:
