@@ -76,18 +76,20 @@ class _Sender:
                     await self.ws.send_text(text)
             finally:
                 self.waiting -= 1
-        if wait > 0 and self.flush_now is not None:
-            self.flush_now(wait)
+        self._hold(wait)
 
     def send_soon(self, text: str, *, wait: float = 0.0) -> None:
         """:meth:`send` from a callback: now if the socket takes it, else from a task."""
         if self.try_now(text):
-            if wait > 0 and self.flush_now is not None:
-                self.flush_now(wait)
+            self._hold(wait)
             return
         task = asyncio.ensure_future(self.send(text, wait=wait))
         self._sending.add(task)
         task.add_done_callback(self._sent)
+
+    def _hold(self, wait: float) -> None:
+        if wait > 0 and self.flush_now is not None:
+            self.flush_now(wait)
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._sending.discard(task)
