@@ -15,12 +15,13 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     ├── KernelError              the kernel misbehaved at the protocol level
     │   └── KernelDiedError      the kernel is gone; carries the reason in words
     ├── SessionError             an operation is illegal in the session's current state
-    │   └── SessionClosedError   the session was closed
+    │   └── SessionClosedError   the caller's session has ended (dead or deleted) for good
     ├── NotFoundError            no such session/execution — or it belongs to someone else
     ├── AuthError                missing, unknown or revoked token; or not an admin
     ├── QuotaError               too many sessions, queued cells or bytes; retry later
     └── InvalidRequestError      a request the gateway understood but cannot honour
-        └── TooLargeError        a body or file over its size limit
+        ├── TooLargeError        a body or file over its size limit
+        └── MediaTypeError       a body that is not the JSON the route takes
 
 The gateway maps these to HTTP in one table (``gateway/errors.py``).
 """
@@ -83,7 +84,8 @@ class SessionError(KernelhubError):
 
 
 class SessionClosedError(SessionError):
-    """The session was closed; create a new one."""
+    """The caller's session has ended (its kernel died for good, or it was deleted); only
+    its owner learns this, anyone else gets ``NotFoundError``. Create a new one."""
 
 
 class NotFoundError(KernelhubError):
@@ -112,3 +114,7 @@ class InvalidRequestError(KernelhubError):
 
 class TooLargeError(InvalidRequestError):
     """Over a size limit; the message names the limit and its setting."""
+
+
+class MediaTypeError(InvalidRequestError):
+    """The body is not ``application/json`` (a form, text, or no Content-Type at all)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -20,6 +21,7 @@ from kernelhub.models import Event, Execution, ExecutionRecord, ExecutionStatus
 PROTOCOL_VERSION = 1
 MAX_CODE_CHARS = 1_000_000
 MAX_METADATA_BYTES = 16_384
+MAX_REQUEST_ID_CHARS = 200
 
 
 class _In(BaseModel):
@@ -309,36 +311,36 @@ class ExecuteFrame(_In):
     code: str = Field(max_length=MAX_CODE_CHARS)
     timeout: float | None = Field(None, gt=0)
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)
-    request_id: str | None = Field(None, max_length=200)
+    request_id: str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
 
 
 class InterruptFrame(_In):
     type: Literal["interrupt"]
-    request_id: str | None = Field(None, max_length=200)
+    request_id: str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
 
 
 class InputReplyFrame(_In):
     type: Literal["input_reply"]
     execution_id: str
     value: str = Field(max_length=MAX_CODE_CHARS)
-    request_id: str | None = Field(None, max_length=200)
+    request_id: str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
 
 
 class PauseFrame(_In):
     type: Literal["pause"]
-    request_id: str | None = Field(None, max_length=200)
+    request_id: str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
 
 
 class ResumeFrame(_In):
     type: Literal["resume"]
-    request_id: str | None = Field(None, max_length=200)
+    request_id: str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
 
 
 class SnapshotFrame(_In):
     """Take a snapshot; answered by ``SnapshotCreatedFrame``."""
 
     type: Literal["snapshot"]
-    request_id: str | None = Field(None, max_length=200)
+    request_id: str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
 
 
 class RewindFrame(_In):
@@ -346,12 +348,24 @@ class RewindFrame(_In):
 
     type: Literal["rewind"]
     before_cell: int = Field(ge=1)
-    request_id: str | None = Field(None, max_length=200)
+    request_id: str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
 
 
 class PingFrame(_In):
     type: Literal["ping"]
-    request_id: str | None = Field(None, max_length=200)
+    request_id: str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
+
+
+def request_id_of(text: str) -> str | None:
+    """The ``request_id`` of a client frame that failed validation, read leniently so the
+    ``error`` frame can still name the request it answers: None unless the text is a JSON
+    object whose ``request_id`` is a string of at most 200 characters."""
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return None
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) and len(rid) <= MAX_REQUEST_ID_CHARS else None
 
 
 ClientFrame = Annotated[

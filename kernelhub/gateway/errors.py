@@ -21,9 +21,11 @@ from kernelhub.errors import (
     ImageError,
     InvalidRequestError,
     KernelhubError,
+    MediaTypeError,
     NotFoundError,
     QuotaError,
     SandboxError,
+    SessionClosedError,
     SessionError,
     TooLargeError,
 )
@@ -37,7 +39,9 @@ STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
     (AuthError, 401, "unauthorized"),
     (QuotaError, 429, "too_many"),
     (TooLargeError, 413, "too_large"),
+    (MediaTypeError, 415, "unsupported_media_type"),
     (InvalidRequestError, 400, "invalid_request"),
+    (SessionClosedError, 410, "session_ended"),
     (SessionError, 409, "conflict"),
     (StoreError, 409, "conflict"),
     (ImageError, 503, "image_unavailable"),
@@ -69,9 +73,18 @@ def error_response(
     )
 
 
+def json_problem(doc: object, position: object, reason: object) -> str:
+    """'Expecting ',' delimiter at line 1 column 12', from what FastAPI keeps of a
+    ``JSONDecodeError`` (the document, the offset and the reason)."""
+    if not isinstance(doc, str) or not isinstance(position, int):
+        return f"request body is not valid JSON: {reason}"
+    line = doc.count("\n", 0, position) + 1
+    column = position - doc.rfind("\n", 0, position)
+    return f"request body is not valid JSON: {reason} at line {line} column {column}"
+
+
 def install(app: FastAPI) -> None:
-    @app.exception_handler(KernelhubError)
-    async def kernelhub_error(request: Request, exc: KernelhubError) -> JSONResponse:
+    def answer(request: Request, exc: KernelhubError, detail: object = None) -> JSONResponse:
         status, code = status_for(exc)
         headers = {}
         if isinstance(exc, QuotaError):
@@ -80,12 +93,34 @@ def install(app: FastAPI) -> None:
             headers["WWW-Authenticate"] = "Bearer"
         if status >= 500:
             log.error("request %s %s failed: %s", request.method, request.url.path, exc)
-        return error_response(status, code, str(exc), headers=headers)
+        return error_response(status, code, str(exc), detail, headers=headers)
+
+    @app.exception_handler(KernelhubError)
+    async def kernelhub_error(request: Request, exc: KernelhubError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if isinstance(exc.body, bytes):
+            # FastAPI hands a route's model the raw bytes only when the Content-Type was
+            # not JSON (or missing): that is the problem to name, not the model's fields.
+            sent = request.headers.get("content-type") or "no Content-Type"
+            return answer(
+                request,
+                MediaTypeError(
+                    f"send application/json: this route takes a JSON body, and got {sent}"
+                    " (set the header `Content-Type: application/json`)"
+                ),
+            )
         problems = []
         for err in exc.errors():
+            if err.get("type") == "json_invalid":
+                loc = err.get("loc", ())
+                message = json_problem(
+                    exc.body, loc[-1] if loc else None, err.get("ctx", {}).get("error")
+                )
+                detail = [{"field": "body", "problem": message}]
+                return error_response(422, "invalid_request", message, detail)
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
             problems.append({"field": where, "problem": err.get("msg", "invalid")})
         summary = "; ".join(f"{p['field']}: {p['problem']}" for p in problems[:5])

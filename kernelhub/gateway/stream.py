@@ -15,7 +15,7 @@ import logging
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import TypeAdapter, ValidationError
 
-from kernelhub.errors import AuthError, KernelhubError, NotFoundError
+from kernelhub.errors import AuthError, KernelhubError, NotFoundError, SessionClosedError
 from kernelhub.gateway.auth import client_address, websocket_principal
 from kernelhub.gateway.errors import status_for
 from kernelhub.gateway.ws_protocol import FLUSH_NOW, RECEIVE_TEXT_NOW, SEND_TEXT_NOW
@@ -41,6 +41,7 @@ from kernelhub.wire import (
     RewoundFrame,
     SnapshotCreatedFrame,
     SnapshotFrame,
+    request_id_of,
 )
 
 log = logging.getLogger(__name__)
@@ -102,11 +103,11 @@ async def stream(ws: WebSocket, session_id: str) -> None:
     manager: SessionManager = ws.app.state.manager
     try:
         principal = await websocket_principal(ws)
-        live = manager.live(principal, session_id)
+        live = await manager.live(principal, session_id)
         since = int(ws.query_params.get("since", "0"))
         if since < 0:
             raise ValueError
-    except (AuthError, NotFoundError, ValueError) as exc:
+    except (AuthError, NotFoundError, SessionClosedError, ValueError) as exc:
         # Accept, then close with an application code: closing before the handshake only
         # gives the client a bare HTTP 403, with no reason it can act on.
         code, reason = _refusal(exc)
@@ -147,6 +148,8 @@ def _refusal(exc: Exception) -> tuple[int, str]:
         return CloseCode.UNAUTHORIZED, str(exc)[:120]
     if isinstance(exc, NotFoundError):
         return CloseCode.NOT_FOUND, "no such session (or not yours)"
+    if isinstance(exc, SessionClosedError):
+        return CloseCode.SESSION_ENDED, "the session has ended; create a new session"
     return CloseCode.POLICY, "since must be a non-negative integer"
 
 
@@ -274,6 +277,7 @@ async def _receive(
                 request_id = frame.request_id
                 await _handle(frame, sender, manager, principal, live, client)
             except ValidationError as exc:
+                request_id = request_id_of(text)
                 problems = "; ".join(
                     f"{'.'.join(str(p) for p in e['loc']) or 'frame'}: {e['msg']}"
                     for e in exc.errors()[:5]

@@ -45,7 +45,7 @@ class Continuity:
         blobs: BlobStore
         sessions: dict[str, LiveSession]
 
-        def _get(self, principal: Principal, session_id: str) -> LiveSession: ...
+        async def _get(self, principal: Principal, session_id: str) -> LiveSession: ...
         def _bind(self, live: LiveSession, kernel: KernelSession) -> None: ...
         async def _awake(self, live: LiveSession) -> KernelSession: ...
 
@@ -145,7 +145,7 @@ class Continuity:
     ) -> RewindReport:
         """Back to the state before cell ``before_cell``: a fresh kernel in the same sandbox,
         restored from the checkpoint taken after the cell before it."""
-        live = self._get(principal, session_id)
+        live = await self._get(principal, session_id)
         kernel = await self._awake(live)
         t0 = time.monotonic()
 
@@ -301,7 +301,7 @@ class Continuity:
     ) -> SnapshotInfo:
         """Capture the namespace and /workspace inside the sandbox, move the result out as
         an opaque blob, bind it to its owner with a MAC. The host never opens it."""
-        live = self._get(principal, session_id)
+        live = await self._get(principal, session_id)
         kernel = await self._awake(live)
         name = f"snap-{uuid.uuid4().hex[:12]}"
         timeout = self.settings.gateway.snapshot_timeout

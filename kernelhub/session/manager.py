@@ -31,6 +31,7 @@ from kernelhub.errors import (
     KernelhubError,
     NotFoundError,
     QuotaError,
+    SessionClosedError,
     SessionError,
 )
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
@@ -528,25 +529,41 @@ class SessionManager(Continuity):
         self.pool.poke()
         await self.store.update_session(live.id, state=SessionState.DEAD.value, reason=reason)
 
-    def _get(self, principal: Principal, session_id: str) -> LiveSession:
+    def _held(self, principal: Principal, session_id: str) -> LiveSession | None:
         live = self.sessions.get(session_id)
-        if live is None or (live.stored.owner != principal.name and not principal.admin):
+        if live is not None and (live.stored.owner == principal.name or principal.admin):
+            return live
+        return None
+
+    async def _get(self, principal: Principal, session_id: str) -> LiveSession:
+        """The caller's live session; ``SessionClosedError`` if it has ended."""
+        if (live := self._held(principal, session_id)) is not None:
+            return live
+        stored = await self._gone(principal, session_id)
+        raise _ended(stored.id, SessionState(stored.state), stored.reason)
+
+    async def _gone(self, principal: Principal, session_id: str) -> StoredSession:
+        """The stored row of the caller's session that this process no longer holds (it
+        was deleted, or died before a restart). Anyone else's is ``NotFoundError``, the
+        same as an id that never existed, so ids cannot be probed."""
+        stored = None if session_id in self.sessions else await self.store.get_session(session_id)
+        if stored is None or (stored.owner != principal.name and not principal.admin):
             raise NotFoundError(f"no session {session_id!r} (or it is not yours)")
-        return live
+        return stored
 
     async def info(self, principal: Principal, session_id: str) -> SessionInfo:
-        live = self.sessions.get(session_id)
-        if live is None:
-            stored = await self.store.get_session(session_id)
-            if stored is None or (stored.owner != principal.name and not principal.admin):
-                raise NotFoundError(f"no session {session_id!r} (or it is not yours)")
+        """A dead session still answers (its reason is the point); a deleted one is gone."""
+        if self._held(principal, session_id) is None:
+            stored = await self._gone(principal, session_id)
+            if stored.deleted_at is not None:
+                raise _ended(stored.id, SessionState.DELETED, stored.reason)
             return _info(
                 stored,
                 SessionState(stored.state),
                 stored.reason,
                 await self.store.last_seq(session_id),
             )
-        live = self._get(principal, session_id)
+        live = await self._get(principal, session_id)
         state = live.state
         if state == SessionState.READY and live.kernel and not live.kernel.alive:
             # Died a moment ago; the watcher is about to recover it or declare it dead.
@@ -574,17 +591,24 @@ class SessionManager(Continuity):
     async def delete(
         self, principal: Principal, session_id: str, client: str | None = None
     ) -> None:
-        live = self._get(principal, session_id)
-        live.state = SessionState.DELETED
-        if live.kernel is not None:
-            await live.kernel.close()
-        if live.hibernation is not None:
-            await self.store.delete_snapshot(live.hibernation)
-            self.blobs.remove(live.hibernation)
-        await live.fanout.close()
+        live = self._held(principal, session_id)
+        if live is None:
+            # Dead before a restart: nothing left to stop, but the owner may still remove it.
+            stored = await self._gone(principal, session_id)
+            if stored.deleted_at is not None:
+                raise _ended(stored.id, SessionState.DELETED, stored.reason)
+        else:
+            live.state = SessionState.DELETED
+            if live.kernel is not None:
+                await live.kernel.close()
+            if live.hibernation is not None:
+                await self.store.delete_snapshot(live.hibernation)
+                self.blobs.remove(live.hibernation)
+            await live.fanout.close()
         await self.store.update_session(session_id, state=SessionState.DELETED.value, deleted=True)
-        del self.sessions[session_id]
-        self.pool.poke()
+        if live is not None:
+            del self.sessions[session_id]
+            self.pool.poke()
         await self.store.audit(
             AuditEntry(
                 principal=principal.name,
@@ -623,7 +647,7 @@ class SessionManager(Continuity):
     ) -> tuple[StoredExecution, ExecutionHandle | None, bool]:
         """Queue a cell. Returns (row, handle, created). With a known idempotency key the
         first execution is returned (``created`` False) and nothing runs."""
-        live = self._get(principal, session_id)
+        live = await self._get(principal, session_id)
         if body.idempotency_key is not None:
             # Ask the store first: the key may have been used before a restart.
             existing = await self.store.execution_by_key(principal.name, body.idempotency_key)
@@ -651,9 +675,9 @@ class SessionManager(Continuity):
         """:meth:`submit` for a caller that cannot wait (the WebSocket's receive path), when
         there is nothing to wait for: no idempotency key to look up, the kernel awake.
         None when :meth:`submit` is needed; its errors otherwise, nothing queued."""
-        live = self._get(principal, session_id)
-        kernel = self._ready_kernel(live)
-        if body.idempotency_key is not None or kernel is None:
+        live = self._held(principal, session_id)
+        kernel = self._ready_kernel(live) if live is not None else None
+        if body.idempotency_key is not None or live is None or kernel is None:
             return None
         live.last_active = time.monotonic()
         row = self._new_execution(principal, live, kernel, body)
@@ -768,12 +792,14 @@ class SessionManager(Continuity):
     def _kernel(self, live: LiveSession) -> KernelSession:
         if live.state == SessionState.HIBERNATED:
             raise SessionError(f"session {live.id} is hibernated: nothing is running in it")
-        if live.state == SessionState.DEAD or live.kernel is None or not live.kernel.alive:
+        if live.state in (SessionState.DEAD, SessionState.DELETED):
+            raise _ended(live.id, live.state, live.reason)
+        if live.kernel is None or not live.kernel.alive:
+            # Died a moment ago: the watcher is about to recover it or declare it dead.
             raise SessionError(
-                f"session {live.id} is dead ({live.reason or 'kernel gone'}); create a new session"
+                f"session {live.id} has no running kernel right now ({live.reason or 'kernel gone'}); "
+                "retry shortly, or create a new session"
             )
-        if live.state == SessionState.DELETED:
-            raise SessionError(f"session {live.id} was deleted; create a new session")
         return live.kernel
 
     async def execution(
@@ -801,7 +827,7 @@ class SessionManager(Continuity):
 
     async def interrupt(self, principal: Principal, execution_id: str) -> StoredExecution:
         row, _ = await self.execution(principal, execution_id)
-        live = self._get(principal, row.session_id)
+        live = await self._get(principal, row.session_id)
         kernel = self._kernel(live)
         running = kernel.running
         if running is None or running.id != execution_id:
@@ -821,7 +847,7 @@ class SessionManager(Continuity):
 
     async def cancel(self, principal: Principal, execution_id: str) -> StoredExecution:
         row, _ = await self.execution(principal, execution_id)
-        live = self._get(principal, row.session_id)
+        live = await self._get(principal, row.session_id)
         if not self._kernel(live).cancel(execution_id):
             raise SessionError(
                 f"execution {execution_id} is {row.status.value}; only a queued execution can be cancelled"
@@ -838,7 +864,7 @@ class SessionManager(Continuity):
 
     async def send_input(self, principal: Principal, execution_id: str, value: str) -> None:
         row, _ = await self.execution(principal, execution_id)
-        live = self._get(principal, row.session_id)
+        live = await self._get(principal, row.session_id)
         kernel = self._kernel(live)
         running = kernel.running
         if (
@@ -864,7 +890,7 @@ class SessionManager(Continuity):
     async def _freeze(
         self, principal: Principal, session_id: str, client: str | None, *, pause: bool
     ) -> SessionInfo:
-        kernel = await self._awake(self._get(principal, session_id))
+        kernel = await self._awake(await self._get(principal, session_id))
         await (kernel.pause() if pause else kernel.resume())
         action = "session.pause" if pause else "session.resume"
         entry = AuditEntry(
@@ -883,7 +909,7 @@ class SessionManager(Continuity):
         chunks: AsyncIterator[bytes],
         client: str | None = None,
     ) -> int:
-        live = self._get(principal, session_id)
+        live = await self._get(principal, session_id)
         kernel = await self._awake(live)
         size = await kernel.sandbox.write_file(path, chunks, self.settings.gateway.max_file_bytes)
         await self.store.audit(
@@ -901,7 +927,7 @@ class SessionManager(Continuity):
         self, principal: Principal, session_id: str, path: str, client: str | None = None
     ) -> AsyncIterator[bytes]:
         """The file's chunks; errors (missing, symlink, too large) raise before the first."""
-        live = self._get(principal, session_id)
+        live = await self._get(principal, session_id)
         kernel = await self._awake(live)
         chunks = kernel.sandbox.read_file(path, self.settings.gateway.max_file_bytes)
         first = await anext(chunks, b"")
@@ -923,8 +949,8 @@ class SessionManager(Continuity):
 
         return stream()
 
-    def live(self, principal: Principal, session_id: str) -> LiveSession:
-        return self._get(principal, session_id)
+    async def live(self, principal: Principal, session_id: str) -> LiveSession:
+        return await self._get(principal, session_id)
 
 
 def _info(
@@ -944,3 +970,10 @@ def _info(
         reason=reason,
         warm=warm,
     )
+
+
+def _ended(session_id: str, state: SessionState, reason: str | None) -> SessionClosedError:
+    if state == SessionState.DELETED:
+        return SessionClosedError(f"session {session_id} was deleted; create a new session")
+    why = reason.splitlines()[0] if reason else "its kernel is gone"
+    return SessionClosedError(f"session {session_id} has ended ({why}); create a new session")
