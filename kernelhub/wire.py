@@ -14,7 +14,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from kernelhub.models import Event, Execution, ExecutionRecord, ExecutionStatus
 
@@ -455,3 +455,47 @@ class CloseCode:
 
 
 SessionInfo.model_rebuild()
+
+
+def frames_json_schema() -> dict[str, Any]:
+    """Every WebSocket frame as one JSON Schema (2020-12), from the models above: what a
+    client may send (``ClientFrame``, as the gateway validates it) and what it receives
+    (``ServerFrame``, as the gateway writes it). Served at ``/v1/ws-schema.json`` and
+    committed as ``docs/ws-frames.schema.json`` (``scripts/ws_schema`` writes it)."""
+    schemas, defs = TypeAdapter.json_schemas(
+        [
+            ("client", "validation", TypeAdapter(ClientFrame)),
+            ("server", "serialization", TypeAdapter(ServerFrame)),
+        ],
+        ref_template="#/$defs/{model}",
+    )
+    definitions = dict(defs.get("$defs", {}))
+    client = schemas[("client", "validation")]
+    server = schemas[("server", "serialization")]
+    for ref in server["discriminator"]["mapping"].values():
+        # Serialization mode calls a defaulted field optional; every server frame has its type.
+        frame = definitions[ref.rsplit("/", 1)[1]]
+        frame["required"] = ["type", *[f for f in frame.get("required", []) if f != "type"]]
+    definitions["ClientFrame"] = {
+        "description": "a frame the client sends: one JSON text message",
+        **client,
+    }
+    definitions["ServerFrame"] = {
+        "description": "a frame the gateway sends: one JSON text message",
+        **server,
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": f"kernelhub WebSocket frames, protocol {PROTOCOL_VERSION}",
+        "description": "The frames of GET /v1/sessions/{session_id}/stream (docs/protocol.md). "
+        "Generated from kernelhub/wire.py by scripts/ws_schema; do not edit by hand.",
+        "x-protocol": PROTOCOL_VERSION,
+        "x-close-codes": {name: code for name, code in vars(CloseCode).items() if name.isupper()},
+        "oneOf": [{"$ref": "#/$defs/ClientFrame"}, {"$ref": "#/$defs/ServerFrame"}],
+        "$defs": dict(sorted(definitions.items())),
+    }
+
+
+def frames_json_schema_text() -> str:
+    """:func:`frames_json_schema` as the committed file holds it (stable, diffable)."""
+    return json.dumps(frames_json_schema(), indent=2, ensure_ascii=False) + "\n"

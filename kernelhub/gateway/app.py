@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from kernelhub import __version__
 from kernelhub.config import Settings
-from kernelhub.gateway import errors, routes, stream
+from kernelhub.gateway import errors, openapi, routes, stream
 from kernelhub.gateway.errors import error_response
 from kernelhub.gateway.metrics import Metrics
 from kernelhub.sandbox.backends import make_backend
@@ -86,11 +86,11 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(
         title="kernelhub",
         version=__version__,
-        description="Stateful sandboxed Python kernels for LLM agents. Protocol: docs/protocol.md",
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimit, limit=settings.gateway.max_body_bytes)
     errors.install(app)
+    openapi.install(app)
     app.include_router(routes.router)
     app.include_router(stream.router)
     return app

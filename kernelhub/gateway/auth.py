@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import Request, WebSocket
+from typing import Annotated
+
+from fastapi import Depends, Request, Security, WebSocket
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kernelhub.errors import AuthError
 from kernelhub.store.sqlite import Principal, SqliteStore
@@ -26,14 +29,24 @@ async def authenticate(store: SqliteStore, token: str | None) -> Principal:
     return principal
 
 
-async def principal(request: Request) -> Principal:
+# Declares the scheme in the OpenAPI document; the header is read by `bearer`, whose
+# refusals (401 with a message to act on) are ours, not FastAPI's bare 403.
+_SCHEME = HTTPBearer(
+    auto_error=False,
+    description="a kernelhub token (`kernelhub token create --name NAME`)",
+)
+
+
+async def principal(
+    request: Request,
+    _: Annotated[HTTPAuthorizationCredentials | None, Security(_SCHEME)] = None,
+) -> Principal:
     """FastAPI dependency for REST routes."""
     store: SqliteStore = request.app.state.store
     return await authenticate(store, bearer(request.headers.get("authorization")))
 
 
-async def admin(request: Request) -> Principal:
-    p = await principal(request)
+async def admin(p: Annotated[Principal, Depends(principal)]) -> Principal:
     if not p.admin:
         raise AuthError(
             "this route needs an admin token (`kernelhub token create --admin`)",

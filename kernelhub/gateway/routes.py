@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import nbformat
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kernelhub.export import to_html, to_notebook
 from kernelhub.gateway.auth import admin, client_address, principal
+from kernelhub.gateway.openapi import WS_SCHEMA_PATH
 from kernelhub.session.batches import BatchRunner
 from kernelhub.session.manager import SessionManager, execution_info
 from kernelhub.store.sqlite import Principal
@@ -31,14 +32,23 @@ from kernelhub.wire import (
     SessionList,
     SnapshotInfo,
     SnapshotList,
+    frames_json_schema,
 )
 
 router = APIRouter()
 Caller = Annotated[Principal, Depends(principal)]
 Admin = Annotated[Principal, Depends(admin)]
-ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 422, 429, 503)
-}
+
+
+def refusals(*statuses: int) -> dict[int | str, dict[str, object]]:
+    """The error answers a route documents, each an ``ErrorBody``: 401 for every
+    authenticated route, plus ``statuses``. docs/protocol.md's route table lists the same
+    (tests/unit/gateway/test_protocol_doc.py holds them together)."""
+    return {code: {"model": ErrorBody} for code in sorted({401, *statuses})}
+
+
+BODY = (400, 413, 415, 422)  # a route that takes a JSON body
+SESSION = (404, 409, 410, 422)  # a route on one of the caller's sessions
 
 
 def manager(request: Request) -> SessionManager:
@@ -56,7 +66,7 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", tags=["health"])
+@router.get("/readyz", responses={503: {"description": "not ready (yet)"}}, tags=["health"])
 async def readyz(request: Request) -> JSONResponse:
     ready = getattr(request.app.state, "ready", False)
     return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
@@ -69,29 +79,49 @@ async def metrics(request: Request) -> Response:
     )
 
 
-@router.post("/v1/sessions", status_code=201, responses=ERRORS, tags=["sessions"])
+@router.get(WS_SCHEMA_PATH, tags=["stream"])
+async def ws_schema() -> dict[str, Any]:
+    """The JSON Schema of every WebSocket frame of the event stream, both ways (generated
+    from ``kernelhub/wire.py``; the same as ``docs/ws-frames.schema.json``)."""
+    return frames_json_schema()
+
+
+@router.post(
+    "/v1/sessions",
+    status_code=201,
+    responses=refusals(*BODY, 404, 409, 429, 503),
+    tags=["sessions"],
+)
 async def create_session(body: SessionCreate, request: Request, caller: Caller) -> SessionInfo:
     return await manager(request).create(caller, body, client_address(request))
 
 
-@router.get("/v1/sessions", responses=ERRORS, tags=["sessions"])
+@router.get("/v1/sessions", responses=refusals(), tags=["sessions"])
 async def list_sessions(request: Request, caller: Caller) -> SessionList:
     return SessionList(sessions=await manager(request).list_sessions(caller))
 
 
-@router.get("/v1/sessions/{session_id}", responses=ERRORS, tags=["sessions"])
+@router.get("/v1/sessions/{session_id}", responses=refusals(404, 410, 422), tags=["sessions"])
 async def get_session(session_id: str, request: Request, caller: Caller) -> SessionInfo:
     return await manager(request).info(caller, session_id)
 
 
-@router.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS, tags=["sessions"])
+@router.delete(
+    "/v1/sessions/{session_id}",
+    status_code=204,
+    responses=refusals(404, 410, 422),
+    tags=["sessions"],
+)
 async def delete_session(session_id: str, request: Request, caller: Caller) -> Response:
     await manager(request).delete(caller, session_id, client_address(request))
     return Response(status_code=204)
 
 
 @router.post(
-    "/v1/sessions/{session_id}/snapshots", status_code=201, responses=ERRORS, tags=["snapshots"]
+    "/v1/sessions/{session_id}/snapshots",
+    status_code=201,
+    responses=refusals(*SESSION, 503),
+    tags=["snapshots"],
 )
 async def create_snapshot(session_id: str, request: Request, caller: Caller) -> SnapshotInfo:
     """Dump the namespace (and /workspace) inside the sandbox; stored as an opaque blob.
@@ -99,7 +129,9 @@ async def create_snapshot(session_id: str, request: Request, caller: Caller) -> 
     return await manager(request).snapshot(caller, session_id, client_address(request))
 
 
-@router.post("/v1/sessions/{session_id}/rewind", responses=ERRORS, tags=["snapshots"])
+@router.post(
+    "/v1/sessions/{session_id}/rewind", responses=refusals(*BODY, *SESSION), tags=["snapshots"]
+)
 async def rewind_session(
     session_id: str, body: RewindRequest, request: Request, caller: Caller
 ) -> RewindReport:
@@ -110,32 +142,38 @@ async def rewind_session(
     )
 
 
-@router.get("/v1/snapshots", responses=ERRORS, tags=["snapshots"])
+@router.get("/v1/snapshots", responses=refusals(), tags=["snapshots"])
 async def list_snapshots(request: Request, caller: Caller) -> SnapshotList:
     return SnapshotList(snapshots=await manager(request).snapshots(caller))
 
 
-@router.delete("/v1/snapshots/{snapshot_id}", status_code=204, responses=ERRORS, tags=["snapshots"])
+@router.delete(
+    "/v1/snapshots/{snapshot_id}", status_code=204, responses=refusals(404, 422), tags=["snapshots"]
+)
 async def delete_snapshot(snapshot_id: str, request: Request, caller: Caller) -> Response:
     await manager(request).delete_snapshot(caller, snapshot_id)
     return Response(status_code=204)
 
 
-@router.post("/v1/sessions/{session_id}/pause", responses=ERRORS, tags=["sessions"])
+@router.post("/v1/sessions/{session_id}/pause", responses=refusals(*SESSION), tags=["sessions"])
 async def pause_session(session_id: str, request: Request, caller: Caller) -> SessionInfo:
     """Freeze the sandbox (cgroup freezer). While paused, execute, interrupt and snapshot
     answer 409; delete works."""
     return await manager(request).pause(caller, session_id, client_address(request))
 
 
-@router.post("/v1/sessions/{session_id}/resume", responses=ERRORS, tags=["sessions"])
+@router.post("/v1/sessions/{session_id}/resume", responses=refusals(*SESSION), tags=["sessions"])
 async def resume_session(session_id: str, request: Request, caller: Caller) -> SessionInfo:
     return await manager(request).resume(caller, session_id, client_address(request))
 
 
 @router.post(
     "/v1/sessions/{session_id}/executions",
-    responses={**ERRORS, 202: {"model": ExecutionInfo}},
+    responses={
+        **refusals(*BODY, *SESSION, 429),
+        200: {"model": ExecutionInfo},
+        202: {"model": ExecutionInfo},
+    },
     tags=["executions"],
 )
 async def create_execution(
@@ -161,7 +199,7 @@ async def create_execution(
     return JSONResponse(info.model_dump(mode="json"), status_code=200 if row.record else 202)
 
 
-@router.get("/v1/executions/{execution_id}", responses=ERRORS, tags=["executions"])
+@router.get("/v1/executions/{execution_id}", responses=refusals(404, 422), tags=["executions"])
 async def get_execution(
     execution_id: str, request: Request, caller: Caller, events: bool = True
 ) -> ExecutionInfo:
@@ -173,7 +211,7 @@ async def get_execution(
 @router.post(
     "/v1/executions/{execution_id}/interrupt",
     status_code=202,
-    responses=ERRORS,
+    responses=refusals(*SESSION),
     tags=["executions"],
 )
 async def interrupt_execution(execution_id: str, request: Request, caller: Caller) -> ExecutionInfo:
@@ -181,14 +219,19 @@ async def interrupt_execution(execution_id: str, request: Request, caller: Calle
     return execution_info(row, None)
 
 
-@router.post("/v1/executions/{execution_id}/cancel", responses=ERRORS, tags=["executions"])
+@router.post(
+    "/v1/executions/{execution_id}/cancel", responses=refusals(*SESSION), tags=["executions"]
+)
 async def cancel_execution(execution_id: str, request: Request, caller: Caller) -> ExecutionInfo:
     row = await manager(request).cancel(caller, execution_id)
     return execution_info(row, None)
 
 
 @router.post(
-    "/v1/executions/{execution_id}/input", status_code=202, responses=ERRORS, tags=["executions"]
+    "/v1/executions/{execution_id}/input",
+    status_code=202,
+    responses=refusals(*BODY, *SESSION),
+    tags=["executions"],
 )
 async def reply_input(
     execution_id: str, body: InputReply, request: Request, caller: Caller
@@ -198,7 +241,10 @@ async def reply_input(
 
 
 @router.put(
-    "/v1/sessions/{session_id}/files/{path:path}", status_code=201, responses=ERRORS, tags=["files"]
+    "/v1/sessions/{session_id}/files/{path:path}",
+    status_code=201,
+    responses=refusals(*SESSION, 400, 413),
+    tags=["files"],
 )
 async def upload_file(
     session_id: str, path: str, request: Request, caller: Caller
@@ -210,7 +256,9 @@ async def upload_file(
     return {"path": path, "size": size}
 
 
-@router.get("/v1/sessions/{session_id}/files/{path:path}", responses=ERRORS, tags=["files"])
+@router.get(
+    "/v1/sessions/{session_id}/files/{path:path}", responses=refusals(*SESSION, 400), tags=["files"]
+)
 async def download_file(
     session_id: str, path: str, request: Request, caller: Caller
 ) -> StreamingResponse:
@@ -221,7 +269,7 @@ async def download_file(
 # -- batches -----------------------------------------------------------------------------
 
 
-@router.post("/v1/batches", status_code=202, responses=ERRORS, tags=["batches"])
+@router.post("/v1/batches", status_code=202, responses=refusals(*BODY, 429), tags=["batches"])
 async def create_batch(body: BatchCreate, request: Request, caller: Caller) -> BatchInfo:
     """Run many items, each in a fresh session of its own, at most ``concurrency`` at a
     time. Answers at once; poll ``GET /v1/batches/{id}``. ``429`` with ``Retry-After`` when
@@ -229,12 +277,12 @@ async def create_batch(body: BatchCreate, request: Request, caller: Caller) -> B
     return await batches(request).submit(caller, body)
 
 
-@router.get("/v1/batches", responses=ERRORS, tags=["batches"])
+@router.get("/v1/batches", responses=refusals(), tags=["batches"])
 async def list_batches(request: Request, caller: Caller) -> BatchList:
     return BatchList(batches=await batches(request).list_batches(caller))
 
 
-@router.get("/v1/batches/{batch_id}", responses=ERRORS, tags=["batches"])
+@router.get("/v1/batches/{batch_id}", responses=refusals(404, 422), tags=["batches"])
 async def get_batch(
     batch_id: str, request: Request, caller: Caller, results: bool = True
 ) -> BatchInfo:
@@ -242,18 +290,18 @@ async def get_batch(
     return await batches(request).info(caller, batch_id, results=results)
 
 
-@router.post("/v1/batches/{batch_id}/cancel", responses=ERRORS, tags=["batches"])
+@router.post("/v1/batches/{batch_id}/cancel", responses=refusals(404, 422), tags=["batches"])
 async def cancel_batch(batch_id: str, request: Request, caller: Caller) -> BatchInfo:
     """Queued items become ``cancelled``; running ones are interrupted."""
     return await batches(request).cancel(caller, batch_id)
 
 
-@router.get("/v1/admin/sessions", responses=ERRORS, tags=["admin"])
+@router.get("/v1/admin/sessions", responses=refusals(403), tags=["admin"])
 async def admin_sessions(request: Request, caller: Admin) -> SessionList:
     return SessionList(sessions=await manager(request).list_sessions(caller, everyone=True))
 
 
-@router.post("/v1/admin/stop-all", responses=ERRORS, tags=["admin"])
+@router.post("/v1/admin/stop-all", responses=refusals(403), tags=["admin"])
 async def admin_stop_all(request: Request, caller: Admin) -> dict[str, int]:
     return {"stopped": await manager(request).stop_all(caller, client_address(request))}
 
@@ -264,7 +312,7 @@ async def admin_stop_all(request: Request, caller: Admin) -> dict[str, int]:
 @router.get(
     "/v1/sessions/{session_id}/notebook",
     responses={
-        **ERRORS,
+        **refusals(404, 410, 422),
         200: {"content": {"application/x-ipynb+json": {}, "text/html": {}}},
     },
     tags=["sessions"],
