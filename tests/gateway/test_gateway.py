@@ -462,10 +462,10 @@ async def test_bad_requests_get_clear_4xx_and_the_gateway_keeps_serving(
         payload = r.json()
         assert payload["error"] and payload["message"], payload
         assert "Traceback" not in r.text
-    # A deleted session refuses work with a clear conflict, and the gateway still serves.
+    # A deleted session refuses work with 410 Gone, and the gateway still serves.
     assert (await http.delete(f"/v1/sessions/{sid}", headers=h)).status_code == 204
     r = await http.post(f"/v1/sessions/{sid}/executions", json={"code": "1"}, headers=h)
-    assert r.status_code == 404
+    assert r.status_code == 410 and r.json()["error"] == "session_ended"
     sid2 = await new_session(http, token)
     assert stdout(await run(http, token, sid2, "print('alive')")) == "alive\n"
 

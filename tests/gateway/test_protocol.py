@@ -52,7 +52,15 @@ async def test_an_ended_session_is_410_for_its_owner_and_404_for_anyone_else(
     alice, bob = gateway.token("alice"), gateway.token("bob")
     sid = await new_session(http, alice)
     done = await run(http, alice, sid, "x = 1")
-    assert (await http.delete(f"/v1/sessions/{sid}", headers=auth(alice))).status_code == 204
+    async with connect(
+        f"{gateway.ws_url}/v1/sessions/{sid}/stream", additional_headers=auth(alice)
+    ) as ws:
+        assert json.loads(await ws.recv())["type"] == "hello"
+        assert (await http.delete(f"/v1/sessions/{sid}", headers=auth(alice))).status_code == 204
+        with pytest.raises(ConnectionClosed) as closed:  # the open stream is told at once
+            while True:
+                await asyncio.wait_for(ws.recv(), 10 * UNIT)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 4410
     for method, path, body in session_routes(sid, done["id"]):
         r = await http.request(method, path, json=body, headers=auth(alice))
         assert r.status_code == 410, (method, path, r.text)
