@@ -100,8 +100,19 @@ async def test_a_dead_session_answers_reads_and_delete_and_refuses_work_with_410
     assert r.status_code == 410 and r.json()["error"] == "session_ended", r.text
     assert r.json()["message"].startswith(f"session {sid} has ended (")
     assert (await http.post(f"/v1/sessions/{sid}/pause", headers=auth(alice))).status_code == 410
+    # A restarted gateway no longer holds it: it still reads as dead, and can be removed.
+    gateway.stop()
+    gateway.start()
+    info = (await http.get(f"/v1/sessions/{sid}", headers=auth(alice))).json()
+    assert info["state"] == "dead", info
+    r = await http.post(f"/v1/sessions/{sid}/executions", json={"code": "1"}, headers=auth(alice))
+    assert r.status_code == 410, r.text
+    assert await close_code(gateway, sid, alice) == 4410
     assert (await http.delete(f"/v1/sessions/{sid}", headers=auth(alice))).status_code == 204
     assert (await http.get(f"/v1/sessions/{sid}", headers=auth(alice))).status_code == 410
+    assert (await http.delete(f"/v1/sessions/{sid}", headers=auth(alice))).status_code == 410
+    listed = (await http.get("/v1/sessions", headers=auth(alice))).json()["sessions"]
+    assert sid not in [s["id"] for s in listed]
 
 
 async def test_unreadable_bodies_are_415_and_a_readable_422(
