@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from kernelhub import wire
 from kernelhub.config import Settings
@@ -170,3 +171,54 @@ def test_the_frame_schema_names_every_frame_and_close_code() -> None:
         assert schema["$defs"][name]["required"][0] == "type" or name == "ExecuteFrame"
     assert schema["x-close-codes"]["SESSION_ENDED"] == 4410
     assert schema["x-protocol"] == wire.PROTOCOL_VERSION
+
+
+def frame_validator(kind: str) -> jsonschema.Draft202012Validator:
+    schema = wire.frames_json_schema()
+    return jsonschema.Draft202012Validator(
+        {"$ref": f"#/$defs/{kind}", "$defs": schema["$defs"]},
+        format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER,
+    )
+
+
+def test_the_documented_frames_are_valid_by_the_schema() -> None:
+    section = DOC[DOC.index("## The event stream") : DOC.index("### Refusals and close codes")]
+    frames = [json.loads(b) for b in re.findall(r"```json\n(\{.*?\})\n```", section, re.S)]
+    client, server = frame_validator("ClientFrame"), frame_validator("ServerFrame")
+    kinds = wire.frames_json_schema()["$defs"]["ClientFrame"]["discriminator"]["mapping"]
+    assert len(frames) >= 6
+    for frame in frames:
+        validator = client if frame["type"] in kinds else server
+        errors = [e.message for e in validator.iter_errors(frame)]
+        assert errors == [], frame
+
+
+def test_the_schema_agrees_with_the_models_on_good_and_bad_frames() -> None:
+    client, server = frame_validator("ClientFrame"), frame_validator("ServerFrame")
+    adapter: TypeAdapter[Any] = TypeAdapter(wire.ClientFrame)
+    for frame in [
+        {"type": "execute", "code": "1", "timeout": 2.5, "request_id": "r"},
+        {"type": "rewind", "before_cell": 2},
+        {"type": "input_reply", "execution_id": "e", "value": "v"},
+    ]:
+        assert client.is_valid(frame) and adapter.validate_python(frame)
+    for frame in [
+        {"type": "execute", "code": "1", "timeout": -1},
+        {"type": "execute"},
+        {"type": "execute", "code": "1", "colour": "red"},
+        {"type": "rewind", "before_cell": 0},
+        {"type": "teleport"},
+        {"type": "ping", "request_id": "x" * 201},
+    ]:
+        assert not client.is_valid(frame), frame
+        with pytest.raises(ValidationError):
+            adapter.validate_python(frame)
+    sent = [
+        wire.HelloFrame(session_id="s", last_seq=3),
+        wire.AcceptedFrame(request_id="r", execution_id="e"),
+        wire.ErrorFrame(request_id=None, error="invalid_frame", message="m"),
+        wire.PongFrame(),
+    ]
+    for frame in sent:
+        assert server.is_valid(json.loads(frame.model_dump_json())), frame
+    assert not server.is_valid({"session_id": "s", "last_seq": 3})  # no type
