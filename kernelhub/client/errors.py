@@ -6,7 +6,7 @@ refused a request, could not be reached, or broke the protocol.
     KernelhubError
     └── ClientError                 the SDK could not do what was asked
         ├── ApiError                the gateway said no: status, error (kind), message, detail
-        │   ├── InvalidRequestError 400 / 422, close 1008: fix the request
+        │   ├── InvalidRequestError 400 / 415 / 422, close 1008: fix the request
         │   │   └── TooLargeError   413: a body or file over its limit
         │   ├── AuthError           401 / 403, close 4401: check the token
         │   ├── NotFoundError       404, close 4404: no such id, or not yours
@@ -135,6 +135,7 @@ _BY_STATUS: dict[int, type[ApiError]] = {
     409: ConflictError,
     410: SessionEndedError,
     413: TooLargeError,
+    415: InvalidRequestError,
     422: InvalidRequestError,
     429: RateLimitedError,
 }
@@ -145,6 +146,7 @@ _BY_KIND: dict[str, type[ApiError]] = {
     "invalid_request": InvalidRequestError,
     "invalid_frame": InvalidRequestError,
     "too_large": TooLargeError,
+    "unsupported_media_type": InvalidRequestError,
     "unauthorized": AuthError,
     "forbidden": AuthError,
     "not_found": NotFoundError,

@@ -479,16 +479,29 @@ async def test_bad_websocket_frames_get_error_frames(
         f"{gateway.ws_url}/v1/sessions/{sid}/stream", additional_headers=auth(token)
     ) as ws:
         await ws.recv()
-        for bad in [
-            "not json",
-            json.dumps({"type": "nope"}),
-            json.dumps({"type": "execute"}),
-            json.dumps({"type": "execute", "code": "1", "extra": 1}),
-            json.dumps({"type": "input_reply", "execution_id": "x", "value": "v"}),
+        # Each answer names the frame it answers, read leniently from the frame itself.
+        for bad, request_id in [
+            ("not json", None),
+            (json.dumps({"type": "nope", "request_id": "r-type"}), "r-type"),
+            (json.dumps({"type": "execute", "request_id": "r-code"}), "r-code"),
+            (json.dumps({"type": "execute", "code": "1", "extra": 1, "request_id": "r-x"}), "r-x"),
+            (json.dumps({"type": "execute", "code": "1", "timeout": -1, "request_id": 7}), None),
+            (json.dumps({"type": "input_reply", "execution_id": "x", "value": "v"}), None),
         ]:
             await ws.send(bad)
             frame = json.loads(await ws.recv())
             assert frame["type"] == "error" and frame["message"], frame
+            assert frame["request_id"] == request_id, frame
+        await ws.send(
+            json.dumps({"type": "execute", "code": "1", "timeout": -1, "request_id": "r1"})
+        )
+        frame = json.loads(await ws.recv())
+        assert frame == {
+            "type": "error",
+            "request_id": "r1",
+            "error": "invalid_frame",
+            "message": "fix the frame: execute.timeout: Input should be greater than 0",
+        }
         await ws.send(json.dumps({"type": "ping", "request_id": "p"}))
         assert json.loads(await ws.recv()) == {"type": "pong", "request_id": "p"}
 

@@ -1,6 +1,7 @@
 """The statuses docs/protocol.md promises, from a real gateway with real sandboxes: 410 for
 the caller's ended session (404 for anyone else), 415 for a body that is not JSON, a
-readable 422 for malformed JSON, the request_id echoed on a bad ``execute`` frame."""
+readable 422 for malformed JSON. (The request_id echoed on a bad frame:
+test_gateway.py::test_bad_websocket_frames_get_error_frames.)"""
 
 from __future__ import annotations
 
@@ -135,34 +136,3 @@ async def test_unreadable_bodies_are_415_and_a_readable_422(
     )
     # Nothing ran: the session's only execution is the one that follows.
     assert (await run(http, token, sid, "1 + 1"))["record"]["execution_count"] == 1
-
-
-async def test_a_bad_execute_frame_is_answered_with_its_own_request_id(
-    gateway: Gateway, http: httpx.AsyncClient
-) -> None:
-    token = gateway.token("alice")
-    sid = await new_session(http, token)
-    async with connect(
-        f"{gateway.ws_url}/v1/sessions/{sid}/stream", additional_headers=auth(token)
-    ) as ws:
-        assert json.loads(await ws.recv())["type"] == "hello"
-        bad = [
-            ({"type": "execute", "code": "1", "timeout": -1, "request_id": "r-timeout"}, "r-timeout"),
-            ({"type": "execute", "request_id": "r-nocode"}, "r-nocode"),
-            ({"type": "execute", "code": "1", "colour": "red", "request_id": "r-extra"}, "r-extra"),
-            ({"type": "teleport", "request_id": "r-type"}, "r-type"),
-        ]  # fmt: skip
-        for frame, request_id in bad:
-            await ws.send(json.dumps(frame))
-            answer = json.loads(await asyncio.wait_for(ws.recv(), 10 * UNIT))
-            assert answer["type"] == "error" and answer["error"] == "invalid_frame", answer
-            assert answer["request_id"] == request_id, answer
-        await ws.send("not json")
-        answer = json.loads(await asyncio.wait_for(ws.recv(), 10 * UNIT))
-        assert answer["type"] == "error" and answer["request_id"] is None
-        # The socket stays open and works.
-        await ws.send(json.dumps({"type": "ping", "request_id": "p1"}))
-        assert json.loads(await asyncio.wait_for(ws.recv(), 10 * UNIT)) == {
-            "type": "pong",
-            "request_id": "p1",
-        }

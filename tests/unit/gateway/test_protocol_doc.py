@@ -19,6 +19,7 @@ import pytest
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from kernelhub import wire
+from kernelhub.client.errors import ApiError, api_error
 from kernelhub.config import Settings
 from kernelhub.gateway.app import create_app
 from kernelhub.gateway.errors import STATUS_TABLE
@@ -222,3 +223,15 @@ def test_the_schema_agrees_with_the_models_on_good_and_bad_frames() -> None:
     for frame in sent:
         assert server.is_valid(json.loads(frame.model_dump_json())), frame
     assert not server.is_valid({"session_id": "s", "last_seq": 3})  # no type
+
+
+def test_the_sdk_reads_every_kind_and_status_the_gateway_answers() -> None:
+    # On the socket an error frame has only its kind: it must mean what the status means.
+    for _, status, kind in [
+        *STATUS_TABLE,
+        (None, 403, "forbidden"),
+        (None, 422, "invalid_request"),
+    ]:
+        by_status = type(api_error(status, kind, "m"))
+        assert by_status is not ApiError, (status, kind)
+        assert type(api_error(None, kind, "m")) is by_status, (status, kind)
