@@ -84,7 +84,7 @@ def json_problem(doc: object, position: object, reason: object) -> str:
 
 
 def install(app: FastAPI) -> None:
-    def answer(request: Request, exc: KernelhubError, detail: object = None) -> JSONResponse:
+    def answer(request: Request, exc: KernelhubError) -> JSONResponse:
         status, code = status_for(exc)
         headers = {}
         if isinstance(exc, QuotaError):
@@ -93,7 +93,7 @@ def install(app: FastAPI) -> None:
             headers["WWW-Authenticate"] = "Bearer"
         if status >= 500:
             log.error("request %s %s failed: %s", request.method, request.url.path, exc)
-        return error_response(status, code, str(exc), detail, headers=headers)
+        return error_response(status, code, str(exc), headers=headers)
 
     @app.exception_handler(KernelhubError)
     async def kernelhub_error(request: Request, exc: KernelhubError) -> JSONResponse:
