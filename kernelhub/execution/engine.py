@@ -904,7 +904,11 @@ class KernelSession:
         else:
             msg_id = self._client.execute(handle.code, allow_stdin=True, stop_on_error=False)
         collector = OutputCollector(
-            handle.id, msg_id, limit_bytes=self.limits.output_bytes, next_seq=self._next_seq
+            handle.id,
+            msg_id,
+            limit_bytes=self.limits.output_bytes,
+            limit_events=self.limits.output_events,
+            next_seq=self._next_seq,
         )
         self._collectors[msg_id] = (collector, weakref.ref(handle))
         while len(self._collectors) > _RECENT_EXECUTIONS:
@@ -985,6 +989,7 @@ class KernelSession:
             peak_memory_bytes=after.peak_memory_bytes,
             output_bytes=collector.output_bytes,
             dropped_bytes=collector.dropped_bytes,
+            dropped_events=collector.dropped_events,
             paused_seconds=handle.paused_seconds,
         )
         self._emit(handle, FinalEvent(execution_id=handle.id, seq=self._next_seq(), record=record))
