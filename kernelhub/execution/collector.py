@@ -96,6 +96,8 @@ class OutputCollector:
         self.user_expressions: dict[str, Any] = {}
         self._truncation_announced = False
         self._finished = False
+        self.resets = 0  # kernel connections dropped during the cell (see connection_reset)
+        self.settling = False  # the engine will end the cell after a grace
         # Stream text past the head, newest last; its size and the bytes it let go.
         self._tail: deque[tuple[Literal["stdout", "stderr"], str]] = deque()
         self._tail_size = 0
@@ -123,6 +125,21 @@ class OutputCollector:
             "message limit; it was dropped",
         )
         return [note, *self._announce_if_dropped()]
+
+    def connection_reset(self, channel: str, max_frame_bytes: int) -> list[Event]:
+        """The host dropped the kernel's ``channel`` connection: libzmq does that to a peer
+        that sends a frame over ``max_frame_bytes``. What was in flight is lost, and the
+        cell may never see its ``idle`` or its reply: the engine ends it on either one."""
+        self.resets += 1
+        self.dropped_events += 1
+        note = NoticeEvent(
+            execution_id=self.execution_id,
+            seq=self._next_seq(),
+            message=f"the kernel's {channel} connection was reset: it sent a frame over the "
+            f"{max_frame_bytes}-byte message limit (or the kernel went away); that output "
+            "was dropped and the connection re-established",
+        )
+        return [note, *self._announce_if_dropped(force=True)]
 
     def finish(self) -> list[Event]:
         """Events owed when the execution ends: the kept tail of the streams behind a
@@ -381,8 +398,8 @@ class OutputCollector:
             late=self.done,
         )
 
-    def _announce_if_dropped(self) -> list[Event]:
-        if self._truncation_announced or not (self.dropped_bytes or self._tail):
+    def _announce_if_dropped(self, *, force: bool = False) -> list[Event]:
+        if self._truncation_announced or not (self.dropped_bytes or self._tail or force):
             return []
         self._truncation_announced = True
         return [self._truncated(final=False)]

@@ -13,9 +13,9 @@ from kernelhub.execution.collector import (
 from kernelhub.models import (
     ClearOutputEvent,
     DisplayEvent,
-    NoticeEvent,
     ErrorEvent,
     InputRequestEvent,
+    NoticeEvent,
     ResultEvent,
     StreamEvent,
     TruncatedEvent,
