@@ -103,6 +103,18 @@ class OutputCollector:
         self._tail_size = 0
         self._gap = 0
 
+    @classmethod
+    def between_cells(
+        cls, *, limit_bytes: int, limit_events: int, next_seq: Callable[[], int]
+    ) -> OutputCollector:
+        """A collector for output that belongs to no cell: already finished (its events
+        are ``late``, the head is all it keeps) and owned by no execution."""
+        collector = cls(
+            "", "", limit_bytes=limit_bytes, limit_events=limit_events, next_seq=next_seq
+        )
+        collector.reply_seen = collector.idle_seen = collector._finished = True
+        return collector
+
     @property
     def done(self) -> bool:
         return self.reply_seen and self.idle_seen

@@ -217,6 +217,7 @@ class KernelSession:
             str, tuple[OutputCollector, weakref.ReferenceType[ExecutionHandle]]
         ] = OrderedDict()
         self._active: tuple[OutputCollector, ExecutionHandle, asyncio.Future[None]] | None = None
+        self._between_cells: OutputCollector | None = None  # output of no cell, since the last
         self._pumps: list[asyncio.Task[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._exit: ExitInfo | None = None
@@ -853,26 +854,20 @@ class KernelSession:
             asyncio.get_running_loop().call_later(_REPLY_AFTER_IDLE_GRACE, _settle, done)
 
     def _route_orphan(self, msg: dict[str, Any]) -> None:
-        """Output of no known cell (a background process writing between cells)."""
+        """Output of no known cell (a background process writing between cells): charged
+        to a budget of its own, the cell caps again, renewed when the next cell starts."""
         header = msg.get("header")
-        content = msg.get("content")
         if not (isinstance(header, dict) and header.get("msg_type") == "stream"):
             return
-        if not isinstance(content, dict) or content.get("name") not in ("stdout", "stderr"):
-            return
-        text = content.get("text")
-        if isinstance(text, str) and text:
-            text = text[: self.limits.output_bytes]
-            self._emit(
-                None,
-                StreamEvent(
-                    execution_id="",
-                    seq=self._next_seq(),
-                    name=content["name"],
-                    text=text,
-                    late=True,
-                ),
+        if self._between_cells is None:
+            self._between_cells = OutputCollector.between_cells(
+                limit_bytes=self.limits.output_bytes,
+                limit_events=self.limits.output_events,
+                next_seq=self._next_seq,
             )
+        for event in self._between_cells.feed(msg):
+            if isinstance(event, StreamEvent):
+                self._emit(None, event)
 
     async def _stop_pumps(self) -> None:
         for task in self._pumps:
@@ -978,6 +973,7 @@ class KernelSession:
             next_seq=self._next_seq,
         )
         self._collectors[msg_id] = (collector, weakref.ref(handle))
+        self._between_cells = None
         while len(self._collectors) > _RECENT_EXECUTIONS:
             self._collectors.popitem(last=False)
         self._active = (collector, handle, done)

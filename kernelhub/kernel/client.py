@@ -32,6 +32,7 @@ from kernelhub.kernel.connection import PORTS, SIGNATURE_SCHEME, SessionDir
 # named without being kept. A hostile kernel can send either: its socket is its own.
 MAX_FRAME_BYTES = 8 * 1024 * 1024 + 256 * 1024
 MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 256 * 1024
+RECEIVE_QUEUE_MESSAGES = 8
 # Messages larger than this are verified and decoded in a worker thread: hashlib
 # releases the GIL while it checks the signature of a few MiB.
 _DECODE_OFF_LOOP_BYTES = 1024 * 1024
@@ -91,6 +92,11 @@ class SandboxKernelClient(AsyncKernelClient):
         # explicitly after re-checking the socket files, never automatically by path.
         sock.setsockopt(zmq.RECONNECT_IVL, -1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        # libzmq's default (1000 messages) would let a flooding kernel park a gigabyte of
+        # output in the gateway's receive pipe; past a few messages the backlog stays in
+        # the sandbox (its iopub queues without limit, bounded by its memory) and the
+        # unix socket applies back-pressure. Nothing is dropped.
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         if identity:
             sock.identity = identity
         sock.connect(url)

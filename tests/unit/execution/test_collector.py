@@ -250,3 +250,14 @@ def test_late_output_past_the_cap_is_dropped_not_tailed() -> None:
     events = c.feed(msg("stream", name="stdout", text="w" * 5000))
     assert stdout(events) == "w" * 1024
     assert c.finish()[-1].dropped_bytes == 5000 - 1024
+
+
+def test_output_between_cells_has_a_budget_of_its_own() -> None:
+    counter = itertools.count(1)
+    c = OutputCollector.between_cells(
+        limit_bytes=1024, limit_events=16, next_seq=lambda: next(counter)
+    )
+    events = [e for _ in range(100) for e in c.feed(msg("stream", name="stdout", text="b" * 100))]
+    streams = [e for e in events if isinstance(e, StreamEvent)]
+    assert all(e.late and e.execution_id == "" for e in streams)
+    assert sum(len(e.text) for e in streams) == 1024 and c.dropped_bytes == 100 * 100 - 1024
