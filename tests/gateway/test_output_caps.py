@@ -4,17 +4,14 @@ gateway, real Docker sandboxes, attacks written as a hostile cell would write th
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
-import docker
 import httpx
 import pytest
 
-from tests.conftest import RUN_INSTANCE, UNIT
-from tests.gateway.conftest import Gateway
+from tests.conftest import UNIT
+from tests.gateway.conftest import Gateway, remove_sandboxes, test_run_dir
 from tests.gateway.test_gateway import auth, new_session, run, stdout
 
 pytestmark = pytest.mark.docker
@@ -24,16 +21,11 @@ MiB = 2**20
 
 @pytest.fixture(scope="module")
 def shared_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    run_dir = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
-    gw = Gateway(tmp_path_factory.mktemp("caps") / "data", run_dir)
+    gw = Gateway(tmp_path_factory.mktemp("caps") / "data", test_run_dir())
     gw.start()
     yield gw
     gw.stop()
-    client = docker.from_env()
-    label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
-    for container in client.containers.list(all=True, filters={"label": label}):
-        container.remove(force=True)
-    client.close()
+    remove_sandboxes()
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +45,15 @@ async def record_size(http: httpx.AsyncClient, token: str, eid: str) -> int:
     return len(r.content)
 
 
+def displays(count: int, junk: str) -> str:
+    """A cell showing ``count`` small displays, each with ``junk`` as its metadata."""
+    return (
+        "from IPython.display import display\n"
+        f"for i in range({count}):\n"
+        f"    display({{'text/plain': f'shown {{i}}'}}, raw=True, metadata={{'junk': {junk}}})"
+    )
+
+
 def events_size(execution: dict[str, Any]) -> int:
     return sum(len(json.dumps(e)) for e in execution["events"])
 
@@ -61,20 +62,14 @@ async def test_display_metadata_is_charged_and_the_record_stays_small(
     http: httpx.AsyncClient, token: str
 ) -> None:
     sid = await new_session(http, token, limits={"output_bytes": 8 * MiB})
-    code = (
-        "from IPython.display import display\n"
-        "for i in range(10):\n"
-        "    display({'text/plain': f'shown {i}'}, raw=True, metadata={'junk': 'm' * 3_000_000})\n"
-        "print('after')"
-    )
-    result = await run(http, token, sid, code)
+    result = await run(http, token, sid, displays(10, "'m' * 3_000_000") + "\nprint('after')")
     record = result["record"]
     assert result["status"] == "completed", record
     assert record["output_bytes"] <= 8 * MiB
     assert record["dropped_bytes"] >= 5 * 3_000_000 and record["dropped_events"] >= 5
     assert events_size(result) < 8 * MiB + 64 * 1024, "stored events stay within the cap"
-    displays = [e for e in result["events"] if e["type"] == "display"]
-    assert any("dropped" in e["data"]["text/plain"] for e in displays), "a visible marker"
+    shown = [e for e in result["events"] if e["type"] == "display"]
+    assert any("dropped" in e["data"]["text/plain"] for e in shown), "a visible marker"
     assert any(e["type"] == "truncated" and e["final"] for e in result["events"])
     assert await record_size(http, token, result["id"]) < 4096
     assert stdout(result) == "after\n"
@@ -84,15 +79,11 @@ async def test_the_sandbox_cuts_a_message_over_the_limit_before_sending_it(
     http: httpx.AsyncClient, token: str
 ) -> None:
     sid = await new_session(http, token, limits={"output_bytes": 64 * MiB})
-    code = (
-        "from IPython.display import display\n"
-        "display({'text/plain': 'big'}, raw=True, metadata={'junk': 'm' * 40_000_000 + 'END'})"
-    )
-    result = await run(http, token, sid, code)
+    result = await run(http, token, sid, displays(1, "'m' * 40_000_000 + 'END'"))
     (display,) = [e for e in result["events"] if e["type"] == "display"]
     junk = display["metadata"]["junk"]
     assert "bytes dropped ...]" in junk and junk.endswith("END") and len(junk) < 9 * MiB
-    assert display["data"] == {"text/plain": "big"}
+    assert display["data"] == {"text/plain": "shown 0"}
     assert result["record"]["output_bytes"] < 9 * MiB
 
 
@@ -111,13 +102,13 @@ async def test_a_20_mb_exception_is_cut_with_a_marker_and_the_record_is_bounded(
     assert (await run(http, token, sid, "1 + 1"))["status"] == "completed"
 
 
-async def test_100k_clear_output_calls_store_a_bounded_number_of_events(
+async def test_40k_clear_output_calls_store_a_bounded_number_of_events(
     http: httpx.AsyncClient, token: str
 ) -> None:
     sid = await new_session(http, token)  # the default cap: 10,000 events
     code = (
         "from IPython.display import clear_output\n"
-        "for i in range(100_000):\n"
+        "for i in range(40_000):\n"
         "    clear_output()\n"
         "print('done')"
     )
@@ -125,7 +116,7 @@ async def test_100k_clear_output_calls_store_a_bounded_number_of_events(
     record = result["record"]
     assert result["status"] == "completed", record
     assert len(result["events"]) <= 10_000 + 10
-    assert record["dropped_events"] >= 90_000
+    assert record["dropped_events"] >= 30_000
     assert stdout(result).endswith("done\n"), "the end survives the event cap"
 
 
@@ -133,11 +124,11 @@ async def test_a_big_stdout_flood_keeps_its_head_and_its_last_lines(
     http: httpx.AsyncClient, token: str
 ) -> None:
     sid = await new_session(http, token, limits={"output_bytes": 1 * MiB})
-    result = await run(http, token, sid, "for i in range(3_000_000):\n    print(i)")
+    result = await run(http, token, sid, "for i in range(1_000_000):\n    print(i)")
     record = result["record"]
     text = stdout(result)
     assert text.startswith("0\n1\n2\n")
-    assert text.endswith("2999998\n2999999\n"), "the last line is present"
+    assert text.endswith("999998\n999999\n"), "the last line is present"
     assert f"[... {record['dropped_bytes']} bytes dropped ...]" in text
     assert record["output_bytes"] <= 1 * MiB
 
