@@ -45,6 +45,8 @@ OVERSIZED_KEY = "kernelhub_oversized_bytes"
 # Set by the host's receive path: the message's size on the wire (content, metadata,
 # buffers), so charging it costs nothing. Without it the content is measured here.
 WIRE_BYTES_KEY = "kernelhub_wire_bytes"
+# What a stream message carries besides its text (JSON keys, metadata frame) at most.
+_STREAM_ENVELOPE_BYTES = 4096
 # Not output: the protocol's own bookkeeping for the request.
 _UNCHARGED = frozenset({"status", "execute_input", "execute_reply"})
 
@@ -194,6 +196,11 @@ class OutputCollector:
             if name not in ("stdout", "stderr") or not isinstance(text, str):
                 self.malformed += 1
                 return []
+            wire = msg.get(WIRE_BYTES_KEY)
+            if isinstance(wire, int) and wire > len(text) * 4 + _STREAM_ENVELOPE_BYTES:
+                # A stream message is its text; whatever else a hostile kernel packed in
+                # (metadata, buffers) is discarded, and counted.
+                self.dropped_bytes += wire - len(text.encode("utf-8", "surrogatepass"))
             return self._feed_stream(name, text)
 
         size = _wire_size(msg, content)
@@ -239,7 +246,7 @@ class OutputCollector:
             if not self._admit(_error_size(error)):
                 self._drop(size)
                 return self._announce_if_dropped()
-            self.dropped_bytes += max(size - _error_size(error), 0) if _was_cut(error) else 0
+            self.dropped_bytes += max(_sent_error_size(content) - _error_size(error), 0)
             return [ErrorEvent(execution_id=eid, seq=self._next_seq(), error=error)]
 
         if msg_type == "clear_output":
@@ -471,10 +478,16 @@ def _error_size(error: CellError) -> int:
     )
 
 
-def _was_cut(error: CellError) -> bool:
-    return "bytes dropped ...]" in error.value or any(
-        "dropped ...]" in line for line in error.traceback[:1]
-    )
+def _sent_error_size(content: Mapping[str, Any]) -> int:
+    """The size of what the kernel sent for an error, as :func:`_error_size` counts it."""
+    total = 0
+    for part in (content.get("ename"), content.get("evalue")):
+        if isinstance(part, str):
+            total += len(part.encode("utf-8", "surrogatepass"))
+    traceback = content.get("traceback")
+    if isinstance(traceback, list):
+        total += sum(len(str(line).encode("utf-8", "surrogatepass")) for line in traceback)
+    return total
 
 
 def _bounded_traceback(lines: list[Any]) -> list[str]:

@@ -211,6 +211,7 @@ def test_errors_are_bounded_and_every_one_is_charged() -> None:
     assert sum(len(line) for line in event.error.traceback) <= ERROR_TRACEBACK_BYTES + 100
     assert "frames dropped" in event.error.traceback[0]
     assert c.error == event.error
+    assert c.dropped_bytes > 5_000_000 + 90 * 10**6, "what was cut is counted"
     first = c.output_bytes
     for _ in range(1000):
         c.feed(msg("error", ename="E", evalue="y" * 100_000, traceback=[]))
@@ -261,3 +262,12 @@ def test_output_between_cells_has_a_budget_of_its_own() -> None:
     streams = [e for e in events if isinstance(e, StreamEvent)]
     assert all(e.late and e.execution_id == "" for e in streams)
     assert sum(len(e.text) for e in streams) == 1024 and c.dropped_bytes == 100 * 100 - 1024
+
+
+def test_what_a_stream_message_carries_besides_its_text_is_counted() -> None:
+    c = collector()
+    m = msg("stream", name="stdout", text="hi")
+    m[WIRE_BYTES_KEY] = 5_000_000
+    (event,) = c.feed(m)
+    assert isinstance(event, StreamEvent) and event.text == "hi"
+    assert c.output_bytes == 2 and c.dropped_bytes == 5_000_000 - 2
