@@ -92,13 +92,13 @@ class Gateway:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
 
-def test_run_dir() -> Path:
+def gateway_run_dir() -> Path:
     return Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
 
 
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Gateway]:
-    gw = Gateway(tmp_path / "data", test_run_dir())
+    gw = Gateway(tmp_path / "data", gateway_run_dir())
     gw.start()
     yield gw
     gw.stop()
