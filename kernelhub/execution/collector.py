@@ -47,6 +47,9 @@ OVERSIZED_KEY = "kernelhub_oversized_bytes"
 WIRE_BYTES_KEY = "kernelhub_wire_bytes"
 # What a stream message carries besides its text (JSON keys, metadata frame) at most.
 _STREAM_ENVELOPE_BYTES = 4096
+# Set by the in-sandbox kernel on a message it cut to its size limit
+# (``kernelhub_kernel.patches.bound_messages``).
+SANDBOX_CUT_KEY = "kernelhub_truncated"
 # Not output: the protocol's own bookkeeping for the request.
 _UNCHARGED = frozenset({"status", "execute_input", "execute_reply"})
 
@@ -204,6 +207,7 @@ class OutputCollector:
             return self._feed_stream(name, text)
 
         size = _wire_size(msg, content)
+        self.dropped_bytes += _cut_in_sandbox(content, size)
         eid = self.execution_id
         late = self.done
         if msg_type in ("display_data", "update_display_data", "execute_result"):
@@ -442,6 +446,16 @@ def _wire_size(msg: Mapping[str, Any], content: Mapping[str, Any]) -> int:
         return len(json.dumps(content, default=str))
     except (TypeError, ValueError, RecursionError):
         return 0
+
+
+def _cut_in_sandbox(content: Mapping[str, Any], size: int) -> int:
+    """What the in-sandbox kernel says it cut from this message before sending it (a
+    claim: a kernel that lies only changes its own cell's count)."""
+    note = content.get(SANDBOX_CUT_KEY)
+    original = note.get("original_bytes") if isinstance(note, Mapping) else None
+    if isinstance(original, int) and not isinstance(original, bool) and original > size:
+        return original - size
+    return 0
 
 
 def _dict(value: Any) -> dict[str, Any]:

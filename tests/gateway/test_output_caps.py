@@ -85,6 +85,7 @@ async def test_the_sandbox_cuts_a_message_over_the_limit_before_sending_it(
     assert "bytes dropped ...]" in junk and junk.endswith("END") and len(junk) < 9 * MiB
     assert display["data"] == {"text/plain": "shown 0"}
     assert result["record"]["output_bytes"] < 9 * MiB
+    assert result["record"]["dropped_bytes"] > 30_000_000, "the sandbox's cut is counted"
 
 
 async def test_a_20_mb_exception_is_cut_with_a_marker_and_the_record_is_bounded(

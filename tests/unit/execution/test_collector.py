@@ -271,3 +271,13 @@ def test_what_a_stream_message_carries_besides_its_text_is_counted() -> None:
     (event,) = c.feed(m)
     assert isinstance(event, StreamEvent) and event.text == "hi"
     assert c.output_bytes == 2 and c.dropped_bytes == 5_000_000 - 2
+
+
+def test_what_the_sandbox_cut_before_sending_counts_as_dropped() -> None:
+    c = collector(limit=10**6)
+    note = {"original_bytes": 40_000_000, "limit_bytes": 8 * 2**20}
+    m = msg("display_data", data={"text/plain": "x"}, metadata={}, kernelhub_truncated=note)
+    m[WIRE_BYTES_KEY] = 1000
+    (event,) = c.feed(m)
+    assert isinstance(event, DisplayEvent)
+    assert c.output_bytes == 1000 and c.dropped_bytes == 40_000_000 - 1000
