@@ -32,7 +32,20 @@ class Limits(BaseModel):
     cell_timeout: float | None = Field(
         300.0, gt=0, description="seconds a cell may run; None means no limit"
     )
-    output_bytes: int = Field(10 * MiB, ge=1024, description="output kept per cell")
+    output_bytes: int = Field(
+        10 * MiB,
+        ge=1024,
+        description="bytes a cell's output may take: everything the kernel sends for it "
+        "(streams, display data and metadata, errors, prompts, clear_output, comm messages). "
+        "Past it the start and the last eighth (at most 256 KiB) of its streams are kept, with "
+        "a marker between",
+    )
+    output_events: int = Field(
+        10_000,
+        ge=16,
+        description="output events (stream chunks, displays, clear_output …) kept per cell; "
+        "past it stream text goes to the kept tail and the rest is dropped and counted",
+    )
     input_timeout: float | None = Field(
         600.0,
         gt=0,
@@ -136,6 +149,7 @@ class GatewaySettings(BaseModel):
             tmp_bytes=1024 * MiB,
             cell_timeout=24 * 3600.0,
             output_bytes=100 * MiB,
+            output_events=100_000,
         ),
         description="the most a client may ask for",
     )

@@ -142,6 +142,7 @@ class TruncatedEvent(_Event):
     type: Literal["truncated"] = "truncated"
     limit_bytes: int
     dropped_bytes: int
+    dropped_events: int = Field(0, description="messages dropped whole (over a cap)")
     final: bool = False
 
 
@@ -172,8 +173,13 @@ class ExecutionRecord(BaseModel):
     paused_seconds: float = Field(0.0, description="seconds the session was paused mid-cell")
     cpu_seconds: float | None = None
     peak_memory_bytes: int | None = None
-    output_bytes: int = 0
-    dropped_bytes: int = 0
+    output_bytes: int = Field(0, description="bytes of output kept (head and tail)")
+    dropped_bytes: int = Field(
+        0, description="bytes the kernel sent for the cell that were dropped over its caps"
+    )
+    dropped_events: int = Field(
+        0, description="messages dropped whole over the byte or event cap (Limits.output_events)"
+    )
 
 
 class FinalEvent(_Event):

@@ -42,6 +42,7 @@ class LimitsIn(_In):
     disk_bytes: int | None = Field(None, ge=2**20, description="size of /workspace")
     cell_timeout: float | None = Field(None, gt=0, description="seconds; omit for the default")
     output_bytes: int | None = Field(None, ge=1024)
+    output_events: int | None = Field(None, ge=16, description="output events kept per cell")
 
 
 class SessionCreate(_In):

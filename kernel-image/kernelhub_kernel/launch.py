@@ -52,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from ipykernel.kernelapp import IPKernelApp
     from traitlets.config import Config
 
+    from jupyter_client.session import Session
+
+    patches.bound_messages(Session)
     patches.never_drop_output(IPKernelApp)
     config = Config()
     patches.stream_output_live(config, flush_interval)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -34,8 +35,17 @@ from kernelhub.errors import (
     SessionClosedError,
     SessionError,
 )
-from kernelhub.execution.collector import OutputCollector
-from kernelhub.kernel.client import SandboxKernelClient, connect_client, disconnect_client
+from kernelhub.execution.collector import OVERSIZED_KEY, OutputCollector
+from kernelhub.kernel.client import (
+    MAX_FRAME_BYTES,
+    MAX_MESSAGE_BYTES,
+    Receiver,
+    SandboxKernelClient,
+    connect_client,
+    disconnect_client,
+    receiver_for,
+    watch_disconnects,
+)
 from kernelhub.kernel.connection import PORTS, SOCKET_PREFIX
 from kernelhub.models import (
     EndedBy,
@@ -62,6 +72,8 @@ _RECENT_EXECUTIONS = 64  # finished cells whose late thread output we still attr
 
 
 _REPLY_AFTER_IDLE_GRACE = 0.2
+# Longest the channel pump keeps the loop while messages keep arriving.
+_PUMP_SLICE = 0.002
 T = TypeVar("T")
 
 
@@ -205,6 +217,7 @@ class KernelSession:
             str, tuple[OutputCollector, weakref.ReferenceType[ExecutionHandle]]
         ] = OrderedDict()
         self._active: tuple[OutputCollector, ExecutionHandle, asyncio.Future[None]] | None = None
+        self._between_cells: OutputCollector | None = None  # output of no cell, since the last
         self._pumps: list[asyncio.Task[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._exit: ExitInfo | None = None
@@ -683,11 +696,16 @@ class KernelSession:
                     log_tail=await self.sandbox.log_tail(),
                 )
         self._client = client
-        self._pumps = [
-            asyncio.create_task(self._pump(client.iopub_channel), name="kernelhub-iopub"),
-            asyncio.create_task(self._pump(client.shell_channel), name="kernelhub-shell"),
-            asyncio.create_task(self._pump(client.stdin_channel), name="kernelhub-stdin"),
-        ]
+        self._pumps = []
+        for name in ("iopub", "shell", "stdin"):
+            receiver = receiver_for(client, name)
+            self._pumps.append(asyncio.create_task(self._pump(receiver), name=f"kernelhub-{name}"))
+            reset = functools.partial(self._connection_reset, receiver, name)
+            self._pumps.append(
+                asyncio.create_task(
+                    watch_disconnects(receiver.socket, reset), name=f"kernelhub-{name}-watch"
+                )
+            )
 
     async def _check_not_dead(self, starting: bool) -> None:
         wait = asyncio.ensure_future(self.sandbox.wait_exit())
@@ -736,10 +754,14 @@ class KernelSession:
                 return dict(msg)
         return None
 
-    async def _pump(self, channel: Any) -> None:
+    async def _pump(self, receiver: Receiver) -> None:
+        # A flood of ready messages never suspends ``recv`` (zmq answers at once), so the
+        # pump gives the loop a turn every few ms: other sessions' cells and clients wait
+        # no longer than that for it.
+        turn = time.monotonic()
         while True:
             try:
-                msg = await channel._recv()
+                msg = await receiver.recv()
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError:
@@ -749,18 +771,51 @@ class KernelSession:
                 log.debug("dropped an invalid kernel message: %s", exc)
                 continue
             self._route(msg)
+            if time.monotonic() - turn > _PUMP_SLICE:
+                await asyncio.sleep(0)
+                turn = time.monotonic()
+
+    def _connection_reset(self, receiver: Receiver, channel: str) -> None:
+        """A kernel socket dropped its connection: most likely the kernel sent a frame over
+        the size limit (libzmq then drops the peer for good). Reconnect to the same checked
+        socket and tell the running cell, whose output and end may be partly lost."""
+        if self._closed or self._exit is not None:
+            return
+        try:
+            receiver.reset()
+        except zmq.ZMQError as exc:
+            log.warning("cannot reconnect the kernel's %s socket: %s", channel, exc)
+        log.warning("session %s: the kernel's %s connection was reset", self.id, channel)
+        active = self._active
+        if active is None:
+            return
+        collector, handle, done = active
+        for event in collector.connection_reset(channel, MAX_FRAME_BYTES):
+            self._emit(handle, event)
+        self._maybe_settle(collector, handle, done)
 
     def _route(self, msg: dict[str, Any]) -> None:
         parent = msg.get("parent_header")
         parent_id = parent.get("msg_id") if isinstance(parent, dict) else None
         entry = self._collectors.get(parent_id) if isinstance(parent_id, str) else None
+        if entry is None and OVERSIZED_KEY in msg and self._active is not None:
+            # The kernel's claim of whose it is could not be checked: the running cell pays.
+            entry = self._collectors.get(self._active[0].msg_id)
         if entry is None:
+            if OVERSIZED_KEY in msg:
+                log.warning("session %s: dropped an oversized kernel message", self.id)
+                return
             self._route_orphan(msg)
             return
         collector, ref = entry
         # Finished executions are only weakly held: their late output goes to listeners.
         handle = ref()
-        for event in collector.feed(msg):
+        events = (
+            collector.oversized(msg[OVERSIZED_KEY], MAX_MESSAGE_BYTES)
+            if OVERSIZED_KEY in msg
+            else collector.feed(msg)
+        )
+        for event in events:
             if isinstance(event, StatusEvent):
                 continue
             self._emit(handle, event)
@@ -776,36 +831,43 @@ class KernelSession:
                     ),
                 )
         active = self._active
-        if active is None or active[0] is not collector or active[2].done():
+        if active is None or active[0] is not collector:
+            return
+        self._maybe_settle(collector, active[1], active[2])
+
+    def _maybe_settle(
+        self, collector: OutputCollector, handle: ExecutionHandle, done: asyncio.Future[None]
+    ) -> None:
+        if done.done():
             return
         if collector.done:
-            active[2].set_result(None)
-        elif collector.idle_seen and active[1].interrupt_sent and not collector.reply_seen:
+            done.set_result(None)
+        elif collector.settling:
+            return
+        elif (collector.idle_seen and handle.interrupt_sent and not collector.reply_seen) or (
+            collector.resets and (collector.idle_seen or collector.reply_seen)
+        ):
             # An interrupt that lands in ipykernel's own code around the cell ends it with
-            # "idle" but no execute_reply. Give a reply in flight a moment, then end.
-            asyncio.get_running_loop().call_later(_REPLY_AFTER_IDLE_GRACE, _settle, active[2])
+            # "idle" but no execute_reply; a reset connection may have lost either. Give
+            # the other one in flight a moment, then end.
+            collector.settling = True
+            asyncio.get_running_loop().call_later(_REPLY_AFTER_IDLE_GRACE, _settle, done)
 
     def _route_orphan(self, msg: dict[str, Any]) -> None:
-        """Output of no known cell (a background process writing between cells)."""
+        """Output of no known cell (a background process writing between cells): charged
+        to a budget of its own, the cell caps again, renewed when the next cell starts."""
         header = msg.get("header")
-        content = msg.get("content")
         if not (isinstance(header, dict) and header.get("msg_type") == "stream"):
             return
-        if not isinstance(content, dict) or content.get("name") not in ("stdout", "stderr"):
-            return
-        text = content.get("text")
-        if isinstance(text, str) and text:
-            text = text[: self.limits.output_bytes]
-            self._emit(
-                None,
-                StreamEvent(
-                    execution_id="",
-                    seq=self._next_seq(),
-                    name=content["name"],
-                    text=text,
-                    late=True,
-                ),
+        if self._between_cells is None:
+            self._between_cells = OutputCollector.between_cells(
+                limit_bytes=self.limits.output_bytes,
+                limit_events=self.limits.output_events,
+                next_seq=self._next_seq,
             )
+        for event in self._between_cells.feed(msg):
+            if isinstance(event, StreamEvent):
+                self._emit(None, event)
 
     async def _stop_pumps(self) -> None:
         for task in self._pumps:
@@ -904,9 +966,14 @@ class KernelSession:
         else:
             msg_id = self._client.execute(handle.code, allow_stdin=True, stop_on_error=False)
         collector = OutputCollector(
-            handle.id, msg_id, limit_bytes=self.limits.output_bytes, next_seq=self._next_seq
+            handle.id,
+            msg_id,
+            limit_bytes=self.limits.output_bytes,
+            limit_events=self.limits.output_events,
+            next_seq=self._next_seq,
         )
         self._collectors[msg_id] = (collector, weakref.ref(handle))
+        self._between_cells = None
         while len(self._collectors) > _RECENT_EXECUTIONS:
             self._collectors.popitem(last=False)
         self._active = (collector, handle, done)
@@ -985,6 +1052,7 @@ class KernelSession:
             peak_memory_bytes=after.peak_memory_bytes,
             output_bytes=collector.output_bytes,
             dropped_bytes=collector.dropped_bytes,
+            dropped_events=collector.dropped_events,
             paused_seconds=handle.paused_seconds,
         )
         self._emit(handle, FinalEvent(execution_id=handle.id, seq=self._next_seq(), record=record))

@@ -269,6 +269,7 @@ class SessionManager(Continuity):
             "workspace_bytes": requested.disk_bytes,
             "cell_timeout": requested.cell_timeout,
             "output_bytes": requested.output_bytes,
+            "output_events": requested.output_events,
         }
         for name, value in asked.items():
             if value is None:

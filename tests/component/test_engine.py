@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from kernelhub.errors import InvalidRequestError, NotFoundError, SessionError, TooLargeError
+from kernelhub.execution.collector import marker
 from kernelhub.malloc import pin_mmap_threshold
 from kernelhub.models import (
     DisplayEvent,
@@ -187,8 +188,12 @@ async def test_print_flood_is_capped_and_host_memory_stays_bounded(
         cuts = [e for e in result.events if isinstance(e, TruncatedEvent)]
         assert [c.final for c in cuts] == [False, True]
         assert cuts[-1].dropped_bytes == result.record.dropped_bytes
-        assert len(result.stdout.encode()) == result.record.output_bytes
+        # head, the marker, the tail: what is kept is charged, the marker is not
+        mark = marker(result.record.dropped_bytes)
+        assert mark in result.stdout
+        assert len(result.stdout.encode()) == result.record.output_bytes + len(mark)
     assert big.record.output_bytes + big.record.dropped_bytes == 300_000_001
+    assert many.stdout.endswith("1999998\n1999999\n"), "the last lines are kept"
     assert growth < 64 * MiB, f"host RSS grew by {growth / MiB:.0f} MiB"
     assert (await s.execute("1 + 1")).text == "2"
 

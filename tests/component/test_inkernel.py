@@ -6,6 +6,7 @@ is not pid 1 here, so these tests cover its unisolated mode; pid 1 is the Docker
 """
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -242,6 +243,28 @@ async def test_large_output_is_split_into_bounded_messages(start_kernel: StartKe
     # IPython 9 would keep a copy of every write in history_manager.outputs.
     cell = await kernel.execute("len(get_ipython().history_manager.outputs)")
     assert cell.result == "0"
+
+
+async def test_a_message_over_the_limit_is_cut_before_it_is_sent(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    cell = await kernel.execute(
+        "from IPython.display import display\n"
+        "display({'text/plain': 'p', 'image/png': 'A' * 30_000_000}, raw=True,"
+        " metadata={'m': 'z' * 20_000_000 + 'END'})\n"
+        "raise ValueError('v' * 20_000_000 + 'LAST')"
+    )
+    (display,) = [m["content"] for m in cell.outputs if m["msg_type"] == "display_data"]
+    (error,) = [m["content"] for m in cell.outputs if m["msg_type"] == "error"]
+    for content in (display, error):
+        assert content["kernelhub_truncated"]["original_bytes"] > 20_000_000
+        assert len(json.dumps(content)) <= 8 * MIB
+    assert display["data"]["text/plain"] == "p" and "image/png" not in display["data"]
+    assert "bytes dropped ...]" in display["metadata"]["m"]
+    assert display["metadata"]["m"].endswith("END")
+    assert error["ename"] == "ValueError" and error["evalue"].endswith("LAST")
+    # A message under the limit is sent as it is.
+    small = await kernel.execute("print('y' * 1000)")
+    assert small.text() == "y" * 1000 + "\n"
 
 
 async def test_thread_output_stays_with_the_cell_that_started_it(

@@ -1,13 +1,21 @@
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
-from kernelhub.execution.collector import OutputCollector
+from kernelhub.execution.collector import (
+    ERROR_TRACEBACK_BYTES,
+    ERROR_VALUE_BYTES,
+    WIRE_BYTES_KEY,
+    OutputCollector,
+)
 from kernelhub.models import (
+    ClearOutputEvent,
     DisplayEvent,
     ErrorEvent,
     InputRequestEvent,
+    NoticeEvent,
     ResultEvent,
     StreamEvent,
     TruncatedEvent,
@@ -18,9 +26,16 @@ def msg(msg_type: str, **content: Any) -> dict[str, Any]:
     return {"header": {"msg_type": msg_type}, "parent_header": {"msg_id": "m"}, "content": content}
 
 
-def collector(limit: int = 1000) -> OutputCollector:
+def collector(limit: int = 1000, *, events: int = 10_000, tail: int = 0) -> OutputCollector:
     counter = itertools.count(1)
-    return OutputCollector("e1", "m", limit_bytes=limit, next_seq=lambda: next(counter))
+    return OutputCollector(
+        "e1", "m", limit_bytes=limit, limit_events=events, tail_bytes=tail,
+        next_seq=lambda: next(counter),
+    )  # fmt: skip
+
+
+def stdout(events: list[Any]) -> str:
+    return "".join(e.text for e in events if isinstance(e, StreamEvent) and e.name == "stdout")
 
 
 def test_converts_each_output_kind() -> None:
@@ -70,8 +85,10 @@ def test_cap_never_splits_a_multibyte_character() -> None:
 def test_display_over_the_cap_is_dropped_whole() -> None:
     c = collector(limit=10)
     events = c.feed(msg("display_data", data={"image/png": "x" * 50}))
-    assert [type(e) for e in events] == [TruncatedEvent]
-    assert c.dropped_bytes == 50
+    assert [type(e) for e in events] == [DisplayEvent, TruncatedEvent]
+    assert "dropped" in events[0].data["text/plain"], "a visible mark in its place"
+    assert c.dropped_bytes == len(json.dumps({"data": {"image/png": "x" * 50}}))
+    assert c.dropped_events == 1
 
 
 def test_hostile_messages_are_skipped_not_raised() -> None:
@@ -104,3 +121,163 @@ def test_output_after_the_cell_finished_is_marked_late() -> None:
     c.feed(msg("status", execution_state="idle"))
     (event,) = c.feed(msg("stream", name="stdout", text="later"))
     assert isinstance(event, StreamEvent) and event.late
+
+
+def test_display_metadata_is_charged_not_only_its_data() -> None:
+    c = collector(limit=10_000)
+    big = {"k": "m" * 40_000}
+    kept = c.feed(msg("display_data", data={"text/plain": "x"}, metadata={}))
+    events = [
+        e
+        for _ in range(10)
+        for e in c.feed(msg("display_data", data={"text/plain": "x"}, metadata=big))
+    ]
+    assert isinstance(kept[0], DisplayEvent)
+    assert not any(isinstance(e, DisplayEvent) and e.metadata for e in events)
+    assert c.output_bytes <= 10_000
+    assert c.dropped_events == 10 and c.dropped_bytes > 400_000
+
+
+def test_the_wire_size_from_the_receive_path_is_what_is_charged() -> None:
+    c = collector(limit=5000)
+    m = msg("clear_output", wait=False)
+    m[WIRE_BYTES_KEY] = 4000
+    assert [type(e) for e in c.feed(m)] == [ClearOutputEvent]
+    assert c.output_bytes == 4000
+    assert [type(e) for e in c.feed(m)] == [TruncatedEvent]
+    assert c.dropped_bytes == 4000
+
+
+def test_head_and_tail_are_kept_around_a_marker() -> None:
+    c = collector(limit=1000, tail=100)
+    lines = [f"line {i:05d}\n" for i in range(1000)]  # 11 bytes each
+    events: list[Any] = []
+    for line in lines:
+        events += c.feed(msg("stream", name="stdout", text=line))
+    events += c.finish()
+    text = stdout(events)
+    everything = "".join(lines)
+    assert text.startswith(everything[:900])
+    assert text.endswith(everything[-100:]), "the last lines are there"
+    dropped = len(everything) - 1000
+    assert f"[... {dropped} bytes dropped ...]" in text
+    assert c.dropped_bytes == dropped and c.output_bytes == 1000
+    final = [e for e in events if isinstance(e, TruncatedEvent)]
+    assert [f.final for f in final] == [False, True] and final[-1].dropped_bytes == dropped
+
+
+def test_one_huge_chunk_keeps_its_own_end() -> None:
+    c = collector(limit=2000, tail=500)
+    text = "".join(chr(ord("a") + i % 26) for i in range(100_000))
+    events = c.feed(msg("stream", name="stderr", text=text)) + c.finish()
+    kept = "".join(e.text for e in events if isinstance(e, StreamEvent))
+    assert kept.startswith(text[:1500]) and kept.endswith(text[-500:])
+    assert c.dropped_bytes == 100_000 - 2000
+
+
+def test_tail_keeps_stdout_and_stderr_in_order() -> None:
+    c = collector(limit=1024, tail=64)
+    events = c.feed(msg("stream", name="stdout", text="h" * 2000))
+    events += c.feed(msg("stream", name="stdout", text="out-end\n"))
+    events += c.feed(msg("stream", name="stderr", text="err-end\n"))
+    events += c.finish()
+    streams = [(e.name, e.text) for e in events if isinstance(e, StreamEvent)]
+    assert streams[-1] == ("stderr", "err-end\n")
+    assert streams[-2][0] == "stdout" and streams[-2][1].endswith("hhout-end\n")
+    assert "bytes dropped" in streams[-3][1]
+
+
+def test_event_cap_bounds_clear_output_and_tiny_prints() -> None:
+    c = collector(limit=10**9, events=100, tail=1000)
+    events: list[Any] = []
+    for i in range(10_000):
+        events += c.feed(msg("clear_output", wait=True))
+        events += c.feed(msg("stream", name="stdout", text=f"{i}\n"))
+    events += c.finish()
+    assert len(events) <= 100 + 4
+    assert c.dropped_events >= 10_000 - 100
+    assert stdout(events).endswith("9998\n9999\n"), "the end survives the event cap"
+
+
+def test_errors_are_bounded_and_every_one_is_charged() -> None:
+    c = collector(limit=10 * 2**20)
+    huge = "x" * 5_000_000 + "THE END"
+    (event,) = c.feed(
+        msg("error", ename="Exception", evalue=huge, traceback=["frame " * 10**5] * 1000)
+    )
+    assert isinstance(event, ErrorEvent)
+    assert len(event.error.value) <= ERROR_VALUE_BYTES and event.error.value.endswith("THE END")
+    assert "bytes dropped" in event.error.value
+    assert sum(len(line) for line in event.error.traceback) <= ERROR_TRACEBACK_BYTES + 100
+    assert "frames dropped" in event.error.traceback[0]
+    assert c.error == event.error
+    assert c.dropped_bytes > 5_000_000 + 90 * 10**6, "what was cut is counted"
+    first = c.output_bytes
+    for _ in range(1000):
+        c.feed(msg("error", ename="E", evalue="y" * 100_000, traceback=[]))
+    assert c.output_bytes <= 10 * 2**20 and c.dropped_events > 0
+    assert first > 0 and c.error is not None and c.error.name == "E"
+
+
+def test_prompts_are_cut_and_charged_but_never_dropped() -> None:
+    c = collector(limit=1024)
+    c.feed(msg("stream", name="stdout", text="z" * 1024))
+    (event, *_) = c.feed(msg("input_request", prompt="p" * 100_000, password=False))
+    assert isinstance(event, InputRequestEvent) and len(event.prompt) < 5000
+
+
+def test_comm_messages_count_against_the_cap() -> None:
+    c = collector(limit=2000)
+    for _ in range(10):
+        assert all(
+            isinstance(e, TruncatedEvent)
+            for e in c.feed(msg("comm_msg", comm_id="c", data={"v": "q" * 500}))
+        )
+    assert c.output_bytes <= 2000 and c.dropped_events > 0
+
+
+def test_an_oversized_message_becomes_a_named_notice() -> None:
+    c = collector()
+    events = c.oversized(50_000_000, 8 * 2**20)
+    assert isinstance(events[0], NoticeEvent) and "50000000 bytes" in events[0].message
+    assert c.dropped_bytes == 50_000_000 and c.dropped_events == 1
+
+
+def test_late_output_past_the_cap_is_dropped_not_tailed() -> None:
+    c = collector(limit=1024, tail=100)
+    c.feed(msg("execute_reply", status="ok"))
+    c.feed(msg("status", execution_state="idle"))
+    c.finish()
+    events = c.feed(msg("stream", name="stdout", text="w" * 5000))
+    assert stdout(events) == "w" * 1024
+    assert c.finish()[-1].dropped_bytes == 5000 - 1024
+
+
+def test_output_between_cells_has_a_budget_of_its_own() -> None:
+    counter = itertools.count(1)
+    c = OutputCollector.between_cells(
+        limit_bytes=1024, limit_events=16, next_seq=lambda: next(counter)
+    )
+    events = [e for _ in range(100) for e in c.feed(msg("stream", name="stdout", text="b" * 100))]
+    streams = [e for e in events if isinstance(e, StreamEvent)]
+    assert all(e.late and e.execution_id == "" for e in streams)
+    assert sum(len(e.text) for e in streams) == 1024 and c.dropped_bytes == 100 * 100 - 1024
+
+
+def test_what_a_stream_message_carries_besides_its_text_is_counted() -> None:
+    c = collector()
+    m = msg("stream", name="stdout", text="hi")
+    m[WIRE_BYTES_KEY] = 5_000_000
+    (event,) = c.feed(m)
+    assert isinstance(event, StreamEvent) and event.text == "hi"
+    assert c.output_bytes == 2 and c.dropped_bytes == 5_000_000 - 2
+
+
+def test_what_the_sandbox_cut_before_sending_counts_as_dropped() -> None:
+    c = collector(limit=10**6)
+    note = {"original_bytes": 40_000_000, "limit_bytes": 8 * 2**20}
+    m = msg("display_data", data={"text/plain": "x"}, metadata={}, kernelhub_truncated=note)
+    m[WIRE_BYTES_KEY] = 1000
+    (event,) = c.feed(m)
+    assert isinstance(event, DisplayEvent)
+    assert c.output_bytes == 1000 and c.dropped_bytes == 40_000_000 - 1000

@@ -1,0 +1,302 @@
+"""One tenant's output must not stall another's: a neighbour's ``1+1`` latency and the
+gateway's memory while an attacker's cell floods it.
+
+Run alone (not part of ``bench/suite.py``, not a timed test; a few minutes, real Docker)::
+
+    python bench/neighbours.py [--out docs/tenant-safety.md]
+
+A real ``kernelhub serve`` (Docker backend, default limits) runs two principals. The
+neighbour runs ``1+1`` over REST every 100 ms the whole time; for each attack in turn the
+attacker's session runs the cell, and we record the neighbour's latencies during it (p50,
+p99, max) and the gateway's RSS growth over its RSS when the attack started (sampled every
+50 ms). Targets (issue #16): p99 <= 250 ms, growth <= 64 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import os
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from gateway import Gateway, create_session
+from report import MiB, describe_machine, quantile, table
+
+TARGET_P99 = 0.250
+TARGET_RSS = 64 * MiB
+ATTACK_TIMEOUT = 300.0
+
+STDOUT_FLOOD = "import sys\nfor i in range(1000):\n    sys.stdout.write('y' * 100_000 + '\\n')"
+ATTACKS: list[tuple[str, str]] = [
+    ("idle (baseline)", "import time; time.sleep(5)"),
+    ("100 MB stdout flood", STDOUT_FLOOD),
+    ("200 MiB os.write flood", "import os\nb = b'w' * (1 << 20)\nfor i in range(200):\n    os.write(1, b)"),
+    ("64 MiB single line", "print('L' * (64 << 20))"),
+    (
+        "5 x 20 MB display metadata",
+        "from IPython.display import display\nfor i in range(5):\n"
+        "    display({'text/plain': str(i)}, raw=True, metadata={'m': 'm' * 20_000_000})",
+    ),
+    ("20 MB exception", "raise Exception('x' * 20_000_000)"),
+    ("100k clear_output", "from IPython.display import clear_output\nfor i in range(100_000):\n    clear_output()"),
+    ("30 stalled readers, 100 MB printed", STDOUT_FLOOD),
+]  # fmt: skip
+STALLED_READERS = 30
+HEADER = [
+    "attack", "outcome", "samples", "p50", "p99", "max", "/healthz max",
+    "gateway RSS growth", "on target",
+]  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    name: str
+    latencies: list[float] = field(default_factory=list)
+    rss_growth: int = 0
+    status: str = ""
+    output_bytes: int = 0
+    dropped_bytes: int = 0
+    dropped_events: int = 0
+    seconds: float = 0.0
+    healthz_max: float = 0.0
+
+
+class Neighbour:
+    """``1+1`` every 100 ms on its own session; latencies land in ``into``."""
+
+    def __init__(self, http: httpx.AsyncClient, sid: str) -> None:
+        self.http, self.sid = http, sid
+        self.into: list[float] = []
+        self.failures = 0
+
+    async def run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                r = await self.http.post(
+                    f"/v1/sessions/{self.sid}/executions", json={"code": "1+1", "wait": True}
+                )
+                ok = r.status_code == 200 and r.json()["status"] == "completed"
+            except httpx.HTTPError:
+                ok = False
+            elapsed = time.perf_counter() - t0
+            if ok:
+                self.into.append(elapsed)
+            else:
+                self.failures += 1
+            await asyncio.sleep(max(0.1 - elapsed, 0.0))
+
+
+async def sample_rss(gw: Gateway, base: int, out: Outcome) -> None:
+    while True:
+        out.rss_growth = max(out.rss_growth, gw.rss() - base)
+        await asyncio.sleep(0.05)
+
+
+async def probe_healthz(http: httpx.AsyncClient, out: Outcome) -> None:
+    while True:
+        t0 = time.perf_counter()
+        with contextlib.suppress(httpx.HTTPError):
+            await http.get("/healthz")
+        out.healthz_max = max(out.healthz_max, time.perf_counter() - t0)
+        await asyncio.sleep(0.1)
+
+
+def stalled_reader(port: int, path: str, token: str) -> socket.socket:
+    """A WebSocket client that completes the handshake and then never reads."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.connect(("127.0.0.1", port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        (
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            f"Authorization: Bearer {token}\r\n\r\n"
+        ).encode()
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(1)
+        if not chunk:
+            break
+        head += chunk
+    return sock
+
+
+async def new_token(gw: Gateway, name: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kernelhub.cli", "token", "create", "--name", name,
+        env=gw.env, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    return out.decode().strip()
+
+
+async def attack(
+    gw: Gateway, attacker: httpx.AsyncClient, token: str, neighbour: Neighbour, name: str, code: str
+) -> Outcome:
+    out = Outcome(name)
+    sid = await create_session(attacker)
+    readers: list[socket.socket] = []
+    if "stalled" in name:
+        path = f"/v1/sessions/{sid}/stream"
+        for _ in range(STALLED_READERS):
+            readers.append(await asyncio.to_thread(stalled_reader, gw.port, path, token))
+    neighbour.into = out.latencies
+    tasks = [
+        asyncio.create_task(sample_rss(gw, gw.rss(), out)),
+        asyncio.create_task(probe_healthz(attacker, out)),
+    ]
+    t0 = time.perf_counter()
+    try:
+        r = await attacker.post(f"/v1/sessions/{sid}/executions", json={"code": code})
+        eid = r.json()["id"]
+        deadline = time.monotonic() + ATTACK_TIMEOUT
+        while time.monotonic() < deadline:
+            info = (await attacker.get(f"/v1/executions/{eid}?events=false")).json()
+            if info.get("record"):
+                record = info["record"]
+                out.status = record["status"]
+                out.output_bytes = record.get("output_bytes", 0)
+                out.dropped_bytes = record.get("dropped_bytes", 0)
+                out.dropped_events = record.get("dropped_events", 0)
+                break
+            await asyncio.sleep(0.1)
+        else:
+            out.status = "did not finish"
+        out.seconds = time.perf_counter() - t0
+        await asyncio.sleep(1.0)  # what the gateway still holds just after
+    finally:
+        for task in tasks:
+            task.cancel()
+        for sock in readers:
+            sock.close()
+        neighbour.into = []
+        with contextlib.suppress(httpx.HTTPError):
+            await attacker.delete(f"/v1/sessions/{sid}")
+    return out
+
+
+def render(outcomes: list[Outcome], machine: list[tuple[str, str]], failures: int) -> str:
+    def ms(x: float) -> str:
+        return f"{x * 1000:.0f} ms"
+
+    rows = []
+    for o in outcomes:
+        lat = o.latencies or [float("nan")]
+        p99 = quantile(lat, 0.99)
+        ok = p99 <= TARGET_P99 and o.rss_growth <= TARGET_RSS
+        rows.append(
+            [
+                o.name,
+                f"{o.status} in {o.seconds:.1f} s; kept {o.output_bytes / MiB:.1f} MiB, dropped "
+                f"{o.dropped_bytes / MiB:.1f} MiB / {o.dropped_events} msgs",
+                str(len(o.latencies)),
+                ms(quantile(lat, 0.5)),
+                ms(p99),
+                ms(max(lat)),
+                ms(o.healthz_max),
+                f"{o.rss_growth / MiB:.0f} MiB",
+                "yes" if ok else "no",
+            ]
+        )
+    lines = [
+        "# Tenant safety: one tenant's output against a neighbour",
+        "",
+        "Measured by `python bench/neighbours.py` (issue #16, item 2): a real gateway "
+        "(Docker backend, default limits: 10 MiB output per cell), a neighbour principal "
+        "running `1+1` over REST every 100 ms, an attacker principal running each cell "
+        "below in a fresh session. Latencies are the neighbour's during the attack; RSS "
+        "growth is the gateway's peak over its RSS when the attack started. Targets: p99 "
+        f"<= {ms(TARGET_P99)}, RSS growth <= {TARGET_RSS // MiB} MiB. Neighbour requests "
+        f"that failed: {failures}.",
+        "",
+        "## Machine",
+        "",
+        *table(["", ""], [[k, v] for k, v in machine]),
+        "",
+        "## Results",
+        "",
+        *table(HEADER, rows),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+async def main(out_path: Path | None) -> str:
+    import docker
+
+    client = docker.from_env()
+    image = os.environ.get("KERNELHUB_DOCKER__IMAGE", "")
+    machine = describe_machine(
+        client.info(), client.version(), runtime="runc", image=image or "default"
+    )
+    client.close()
+    with tempfile.TemporaryDirectory(prefix="kh-neighbours-") as tmp:
+        instance = f"nb-{uuid.uuid4().hex[:8]}"
+        env = {"KERNELHUB_POOL__SIZE": "0", "KERNELHUB_RUN_DIR": f"/tmp/khnb-{instance}"}
+        gw = await Gateway.launch(Path(tmp), instance=instance, env=env)
+        try:
+            attacker_token = gw.headers["Authorization"].split()[1]
+            neighbour_token = await new_token(gw, "neighbour")
+            async with (
+                gw.client() as attacker,
+                httpx.AsyncClient(
+                    base_url=gw.url,
+                    headers={"Authorization": f"Bearer {neighbour_token}"},
+                    timeout=60,
+                ) as nhttp,
+            ):
+                nsid = await create_session(nhttp)
+                neighbour = Neighbour(nhttp, nsid)
+                for _ in range(5):  # warm up
+                    await nhttp.post(
+                        f"/v1/sessions/{nsid}/executions", json={"code": "1+1", "wait": True}
+                    )
+                runner = asyncio.create_task(neighbour.run())
+                outcomes = []
+                try:
+                    for name, code in ATTACKS:
+                        outcome = await attack(gw, attacker, attacker_token, neighbour, name, code)
+                        print(
+                            f"{name}: p99 {quantile(outcome.latencies or [0], 0.99) * 1000:.0f} ms,"
+                            f" rss +{outcome.rss_growth / MiB:.0f} MiB, {outcome.status}",
+                            flush=True,
+                        )
+                        outcomes.append(outcome)
+                finally:
+                    runner.cancel()
+        finally:
+            await gw.stop()
+            _remove_sandboxes(instance)
+    text = render(outcomes, machine, neighbour.failures)
+    if out_path is not None:
+        out_path.write_text(text)
+    return text
+
+
+def _remove_sandboxes(instance: str) -> None:
+    import docker
+
+    client = docker.from_env()
+    label = f"org.kernelhub.instance={instance}"
+    for container in client.containers.list(all=True, filters={"label": label}):
+        container.remove(force=True)
+    client.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="write the Markdown here")
+    args = parser.parse_args()
+    print(asyncio.run(main(args.out)))

@@ -1,0 +1,167 @@
+"""Everything a sandbox sends for a cell is charged to its output cap, end to end: real
+gateway, real Docker sandboxes, attacks written as a hostile cell would write them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import UNIT
+from tests.gateway.conftest import Gateway, gateway_run_dir, remove_sandboxes
+from tests.gateway.test_gateway import auth, new_session, run, stdout
+
+pytestmark = pytest.mark.docker
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def shared_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gw = Gateway(tmp_path_factory.mktemp("caps") / "data", gateway_run_dir())
+    gw.start()
+    yield gw
+    gw.stop()
+    remove_sandboxes()
+
+
+@pytest.fixture(scope="module")
+def token(shared_gateway: Gateway) -> str:
+    return shared_gateway.token("mallory")
+
+
+@pytest.fixture
+async def http(shared_gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=shared_gateway.url, timeout=180 * UNIT) as client:
+        yield client
+
+
+async def record_size(http: httpx.AsyncClient, token: str, eid: str) -> int:
+    r = await http.get(f"/v1/executions/{eid}?events=false", headers=auth(token))
+    assert r.status_code == 200
+    return len(r.content)
+
+
+def displays(count: int, junk: str) -> str:
+    """A cell showing ``count`` small displays, each with ``junk`` as its metadata."""
+    return (
+        "from IPython.display import display\n"
+        f"for i in range({count}):\n"
+        f"    display({{'text/plain': f'shown {{i}}'}}, raw=True, metadata={{'junk': {junk}}})"
+    )
+
+
+def events_size(execution: dict[str, Any]) -> int:
+    return sum(len(json.dumps(e)) for e in execution["events"])
+
+
+async def test_display_metadata_is_charged_and_the_record_stays_small(
+    http: httpx.AsyncClient, token: str
+) -> None:
+    sid = await new_session(http, token, limits={"output_bytes": 8 * MiB})
+    result = await run(http, token, sid, displays(10, "'m' * 3_000_000") + "\nprint('after')")
+    record = result["record"]
+    assert result["status"] == "completed", record
+    assert record["output_bytes"] <= 8 * MiB
+    assert record["dropped_bytes"] >= 5 * 3_000_000 and record["dropped_events"] >= 5
+    assert events_size(result) < 8 * MiB + 64 * 1024, "stored events stay within the cap"
+    shown = [e for e in result["events"] if e["type"] == "display"]
+    assert any("dropped" in e["data"]["text/plain"] for e in shown), "a visible marker"
+    assert any(e["type"] == "truncated" and e["final"] for e in result["events"])
+    assert await record_size(http, token, result["id"]) < 4096
+    assert stdout(result) == "after\n"
+
+
+async def test_the_sandbox_cuts_a_message_over_the_limit_before_sending_it(
+    http: httpx.AsyncClient, token: str
+) -> None:
+    sid = await new_session(http, token, limits={"output_bytes": 64 * MiB})
+    result = await run(http, token, sid, displays(1, "'m' * 40_000_000 + 'END'"))
+    (display,) = [e for e in result["events"] if e["type"] == "display"]
+    junk = display["metadata"]["junk"]
+    assert "bytes dropped ...]" in junk and junk.endswith("END") and len(junk) < 9 * MiB
+    assert display["data"] == {"text/plain": "shown 0"}
+    assert result["record"]["output_bytes"] < 9 * MiB
+    assert result["record"]["dropped_bytes"] > 30_000_000, "the sandbox's cut is counted"
+
+
+async def test_a_20_mb_exception_is_cut_with_a_marker_and_the_record_is_bounded(
+    http: httpx.AsyncClient, token: str
+) -> None:
+    sid = await new_session(http, token)
+    result = await run(http, token, sid, "raise Exception('x' * 20_000_000 + 'LAST')")
+    record = result["record"]
+    assert result["status"] == "failed"
+    assert record["error"]["name"] == "Exception"
+    assert "bytes dropped ...]" in record["error"]["value"]
+    assert record["error"]["value"].endswith("LAST")
+    assert await record_size(http, token, result["id"]) < 256 * 1024
+    assert events_size(result) < 512 * 1024
+    assert (await run(http, token, sid, "1 + 1"))["status"] == "completed"
+
+
+async def test_20k_clear_output_calls_store_a_bounded_number_of_events(
+    http: httpx.AsyncClient, token: str
+) -> None:
+    sid = await new_session(http, token)  # the default cap: 10,000 events
+    code = (
+        "from IPython.display import clear_output\n"
+        "for i in range(20_000):\n"
+        "    clear_output()\n"
+        "print('done')"
+    )
+    result = await run(http, token, sid, code)
+    record = result["record"]
+    assert result["status"] == "completed", record
+    assert len(result["events"]) <= 10_000 + 10
+    assert record["dropped_events"] >= 9_000
+    assert stdout(result).endswith("done\n"), "the end survives the event cap"
+
+
+async def test_a_big_stdout_flood_keeps_its_head_and_its_last_lines(
+    http: httpx.AsyncClient, token: str
+) -> None:
+    sid = await new_session(http, token, limits={"output_bytes": 1 * MiB})
+    result = await run(http, token, sid, "for i in range(1_000_000):\n    print(i)")
+    record = result["record"]
+    text = stdout(result)
+    assert text.startswith("0\n1\n2\n")
+    assert text.endswith("999998\n999999\n"), "the last line is present"
+    assert f"[... {record['dropped_bytes']} bytes dropped ...]" in text
+    assert record["output_bytes"] <= 1 * MiB
+
+
+HOSTILE = """
+import json
+k = get_ipython().kernel
+s = k.session
+msg = s.msg('display_data', {'data': {'text/plain': 'x'}, 'metadata': {}}, parent=k.get_parent('shell'))
+parts = [s.pack(msg['header']), s.pack(msg['parent_header']), s.pack({}), s.pack(msg['content'])]
+"""
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        pytest.param("[s.sign(parts), *parts[:3], b'{\"junk\": \"' + b'z' * 20_000_000 + b'\"}']", id="one-20MB-frame"),
+        pytest.param("[s.sign(parts), *parts, *[b'b' * 4_000_000] * 6]", id="6-frames-of-4MB"),
+    ],
+)  # fmt: skip
+async def test_an_oversized_raw_message_becomes_a_named_truncation(
+    http: httpx.AsyncClient, token: str, frames: str
+) -> None:
+    sid = await new_session(http, token, limits={"cell_timeout": 60.0})
+    code = HOSTILE + f"k.iopub_socket.send_multipart([b'display_data', b'<IDS|MSG>', *{frames}])\n"
+    code += "import time; time.sleep(0.5); print('still here')"
+    result = await run(http, token, sid, code)
+    record = result["record"]
+    assert result["status"] == "completed", record
+    notices = [e["message"] for e in result["events"] if e["type"] == "notice"]
+    assert any("message limit" in n for n in notices), notices
+    assert record["dropped_events"] >= 1
+    assert record["duration"] < 30
+    after = await run(http, token, sid, "print('next cell')")
+    assert stdout(after) == "next cell\n", "the session keeps working"
