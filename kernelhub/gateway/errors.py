@@ -25,6 +25,7 @@ from kernelhub.errors import (
     QuotaError,
     SandboxError,
     SessionError,
+    StorageFullError,
     TooLargeError,
 )
 from kernelhub.store.sqlite import StoreError
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
     (NotFoundError, 404, "not_found"),
     (AuthError, 401, "unauthorized"),
+    (StorageFullError, 507, "storage_full"),
     (QuotaError, 429, "too_many"),
     (TooLargeError, 413, "too_large"),
     (InvalidRequestError, 400, "invalid_request"),

@@ -37,7 +37,7 @@ router = APIRouter()
 Caller = Annotated[Principal, Depends(principal)]
 Admin = Annotated[Principal, Depends(admin)]
 ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 422, 429, 503)
+    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 422, 429, 503, 507)
 }
 
 
@@ -85,8 +85,12 @@ async def get_session(session_id: str, request: Request, caller: Caller) -> Sess
 
 
 @router.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS, tags=["sessions"])
-async def delete_session(session_id: str, request: Request, caller: Caller) -> Response:
-    await manager(request).delete(caller, session_id, client_address(request))
+async def delete_session(
+    session_id: str, request: Request, caller: Caller, purge: bool = False
+) -> Response:
+    """End the session. Its events and executions are kept for the retention period
+    (KERNELHUB_STORAGE__RETENTION); ``purge=true`` deletes them now and returns the space."""
+    await manager(request).delete(caller, session_id, client_address(request), purge=purge)
     return Response(status_code=204)
 
 
