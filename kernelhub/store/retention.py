@@ -118,8 +118,11 @@ class RetentionSweeper:
         blobs: BlobStore,
         settings: StorageSettings,
         on_purged: Callable[[str], Awaitable[None]] | None = None,
+        *,
+        vacuum_pages: int = VACUUM_PAGES,
     ) -> None:
         self.store = store
+        self.vacuum_pages = vacuum_pages
         self.blobs = blobs
         self.settings = settings
         self.on_purged = on_purged
@@ -144,8 +147,13 @@ class RetentionSweeper:
         log.info("purged session %s from the store", session_id)
 
     async def _vacuum(self) -> None:
-        while await self.store.on_thread(partial(vacuum_step, pages=VACUUM_PAGES)):
-            pass
+        before: int | None = None
+        while True:
+            left = await self.store.on_thread(partial(vacuum_step, pages=self.vacuum_pages))
+            # Until nothing is left, or a step freed nothing (auto_vacuum off): never spin.
+            if left == 0 or (before is not None and left >= before):
+                break
+            before = left
         await self.store.on_thread(checkpoint)
 
     async def sweep(self, now: datetime | None = None) -> int:
