@@ -190,7 +190,7 @@ class StorageSettings(BaseModel):
         24 * 3600.0,
         ge=0,
         description="seconds a deleted or dead session's events, executions and internal "
-        "snapshots are kept before the sweeper purges them; 0 purges at the next sweep",
+        "snapshots are kept before the sweeper purges them; 0: at once (on delete)",
     )
     sweep_interval: float = Field(
         60.0, gt=0, description="seconds between retention sweeps (sessions and audit)"

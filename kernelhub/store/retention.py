@@ -33,28 +33,23 @@ STEP_ROWS = 256  # rows deleted per transaction: event bodies can be MiBs each
 VACUUM_PAGES = 2048  # pages returned per step (8 MiB at the default 4 KiB page size)
 
 
-def delete_executions_step(db: sqlite3.Connection, session_id: str, rows: int) -> int:
-    """Delete up to ``rows`` of the session's executions; returns how many went."""
-    with db:
-        db.execute("BEGIN")
-        cur = db.execute(
-            "DELETE FROM executions WHERE rowid IN"
-            " (SELECT rowid FROM executions WHERE session_id = ? LIMIT ?)",
-            (session_id, rows),
-        )
-        return cur.rowcount
+# One bounded step each: up to :rows rows, oldest first; run by delete_step.
+EVENTS_STEP = (  # events is WITHOUT ROWID: stepped through its primary key
+    "DELETE FROM events WHERE session_id = :sid AND seq IN"
+    " (SELECT seq FROM events WHERE session_id = :sid ORDER BY seq LIMIT :rows)"
+)
+EXECUTIONS_STEP = (
+    "DELETE FROM executions WHERE rowid IN"
+    " (SELECT rowid FROM executions WHERE session_id = :sid LIMIT :rows)"
+)
+AUDIT_STEP = "DELETE FROM audit WHERE id IN (SELECT id FROM audit WHERE at < :cutoff ORDER BY at LIMIT :rows)"
 
 
-def delete_events_step(db: sqlite3.Connection, session_id: str, rows: int) -> int:
-    """The same for events (WITHOUT ROWID: stepped through its primary key)."""
+def delete_step(db: sqlite3.Connection, sql: str, params: dict[str, object]) -> int:
+    """One of the steps above in its own transaction; returns how many rows went."""
     with db:
         db.execute("BEGIN")
-        cur = db.execute(
-            "DELETE FROM events WHERE session_id = ? AND seq IN"
-            " (SELECT seq FROM events WHERE session_id = ? ORDER BY seq LIMIT ?)",
-            (session_id, session_id, rows),
-        )
-        return cur.rowcount
+        return db.execute(sql, params).rowcount
 
 
 def drop_session(db: sqlite3.Connection, store: SqliteStore, session_id: str) -> list[str]:
@@ -82,16 +77,6 @@ def ended_before(db: sqlite3.Connection, cutoff: str) -> list[str]:
         (cutoff,),
     ).fetchall()
     return [r[0] for r in rows]
-
-
-def trim_audit_step(db: sqlite3.Connection, cutoff: str, rows: int) -> int:
-    with db:
-        db.execute("BEGIN")
-        cur = db.execute(
-            "DELETE FROM audit WHERE id IN (SELECT id FROM audit WHERE at < ? ORDER BY at LIMIT ?)",
-            (cutoff, rows * 16),  # audit rows are small (their code is bounded)
-        )
-        return cur.rowcount
 
 
 def vacuum_step(db: sqlite3.Connection, pages: int) -> int:
@@ -136,10 +121,11 @@ class RetentionSweeper:
 
     async def _purge(self, session_id: str) -> None:
         on = self.store.on_thread
-        while await on(partial(delete_events_step, session_id=session_id, rows=STEP_ROWS)):
-            pass
-        while await on(partial(delete_executions_step, session_id=session_id, rows=STEP_ROWS)):
-            pass
+        for sql in (EVENTS_STEP, EXECUTIONS_STEP):
+            while await on(
+                partial(delete_step, sql=sql, params={"sid": session_id, "rows": STEP_ROWS})
+            ):
+                pass
         for snapshot_id in await on(partial(drop_session, store=self.store, session_id=session_id)):
             self.blobs.remove(snapshot_id)
         if self.on_purged is not None:
@@ -169,7 +155,9 @@ class RetentionSweeper:
             trimmed = 0
             if self.settings.audit_retention is not None:
                 before = (now - timedelta(seconds=self.settings.audit_retention)).isoformat()
-                while n := await on(partial(trim_audit_step, cutoff=before, rows=STEP_ROWS)):
+                # Audit rows are small (their code is bounded): bigger steps.
+                step = partial(delete_step, sql=AUDIT_STEP, params={"cutoff": before, "rows": 4096})
+                while n := await on(step):
                     trimmed += n
             if ended or trimmed:
                 await self._vacuum()
