@@ -130,6 +130,11 @@ class StorageGuard:
                 "?purge=true to free space, or raise KERNELHUB_STORAGE__QUOTA_BYTES "
                 "(per principal: KERNELHUB_STORAGE__QUOTAS)"
             )
+        self.check_disk()
+
+    def check_disk(self) -> None:
+        """Raise :class:`StorageFullError` if the data directory's disk is below its floor
+        (for work that writes there without counting against a quota: snapshots)."""
         if self.settings.min_free_bytes == 0 and self.settings.min_free_fraction == 0:
             return
         free, total = self.free_space()

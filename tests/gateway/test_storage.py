@@ -172,6 +172,8 @@ async def test_new_work_is_refused_when_the_disk_is_below_its_floor(tmp_path: Pa
             assert str(db_path(gateway).parent) in message
             r = await http.post("/v1/sessions", json={}, headers=auth(token))
             assert r.status_code == 507 and r.json()["error"] == "storage_full"
+            r = await http.post(f"/v1/sessions/{sid}/snapshots", headers=auth(token))
+            assert r.status_code == 507 and r.json()["error"] == "storage_full"
             # Reading and deleting still work: that is how space is freed.
             assert (await http.get(f"/v1/sessions/{sid}", headers=auth(token))).status_code == 200
             r = await http.delete(
