@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from websockets.asyncio.client import connect
 
 from tests.conftest import UNIT, eventually
 from tests.gateway.conftest import Gateway
@@ -74,6 +75,16 @@ async def test_a_principal_over_its_quota_is_refused_while_another_is_not(gw: Ga
         assert used > QUOTA
         r = await http.post("/v1/sessions", json={}, headers=auth(alice))
         assert r.status_code == 507 and r.json()["error"] == "storage_full"
+        # The socket refuses the same way, and stays open.
+        url = f"{gw.ws_url}/v1/sessions/{mine}/stream?since={big['events'][-1]['seq']}"
+        async with connect(url, additional_headers=auth(alice)) as ws:
+            assert json.loads(await ws.recv())["type"] == "hello"
+            await ws.send(json.dumps({"type": "execute", "code": "1+1", "request_id": "r1"}))
+            frame = json.loads(await ws.recv())
+            assert frame["type"] == "error" and frame["request_id"] == "r1", frame
+            assert frame["error"] == "storage_full" and str(QUOTA) in frame["message"]
+            await ws.send(json.dumps({"type": "ping", "request_id": "p"}))
+            assert json.loads(await ws.recv()) == {"type": "pong", "request_id": "p"}
         # Bob is not alice: his cells run as before.
         assert stdout(await run(http, bob, theirs, "print(6 * 7)")) == "42\n"
         # Purging what she stored gives alice her quota back.
