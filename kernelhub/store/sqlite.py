@@ -275,6 +275,10 @@ class SqliteStore:
         # on the event loop: see _run and append_events.
         db.execute("PRAGMA wal_autocheckpoint=0")
         db.execute("PRAGMA foreign_keys=ON")
+        # Builds that default to secure_delete=ON zero every freed page through the WAL: a
+        # purge of 200 MB wrote 200 MB more. FAST zeroes what costs no extra I/O; the rest
+        # leaves the file when the incremental vacuum truncates or overwrites it.
+        db.execute("PRAGMA secure_delete=FAST")
         db.executescript(SCHEMA)
         migrations.migrate(db, self.path)
         self.ledger.load(db)
