@@ -587,12 +587,13 @@ class SessionManager(Continuity):
     ) -> None:
         """End the session. Its events and executions stay for the retention period
         (KERNELHUB_STORAGE__RETENTION), unless ``purge``: then they go now, and a session
-        deleted earlier but not purged yet can be purged this way too."""
+        that ended earlier (deleted, or dead before a restart) can be purged this way too."""
         purge = purge or self.settings.storage.retention == 0
         if purge and session_id not in self.sessions:
             stored = await self.store.get_session(session_id)
             mine = stored is not None and (stored.owner == principal.name or principal.admin)
-            if mine and stored is not None and stored.state == SessionState.DELETED:
+            ended = (SessionState.DELETED, SessionState.DEAD)
+            if mine and stored is not None and stored.state in ended:
                 await self.retention.purge(session_id)
                 await self._audit_delete(principal, session_id, client, purge)
                 return

@@ -565,7 +565,8 @@ class SqliteStore:
         def insert() -> StoredExecution:
             try:
                 self._insert_execution(e)
-                self.ledger.write(self._db)  # type: ignore[arg-type]
+                assert self._db is not None
+                self.ledger.write(self._db)
                 return e
             except sqlite3.IntegrityError:
                 found = self._q(

@@ -22,7 +22,7 @@ from tests.gateway.test_gateway import _run_dir, auth, new_session, run, stdout
 pytestmark = pytest.mark.docker
 
 QUOTA = 3_000_000  # alice's override; everyone else has the default (1 GiB)
-RETENTION = 3.0
+RETENTION = 5.0  # long enough for a few requests under load, short enough to wait for
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ async def test_delete_with_purge_removes_the_events_and_the_file_shrinks(gw: Gat
 
 
 async def test_a_deleted_session_is_purged_after_its_retention(gw: Gateway) -> None:
-    dave = gw.token("dave")
+    dave, eve = gw.token("dave"), gw.token("eve")  # CLI calls take seconds: before the clock runs
     async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
         sid = await new_session(http, dave)
         cell = await run(http, dave, sid, "print('kept for a while')")
@@ -126,6 +126,16 @@ async def test_a_deleted_session_is_purged_after_its_retention(gw: Gateway) -> N
         # Within its retention the history is still there to read.
         r = await http.get(f"/v1/executions/{cell['id']}", headers=auth(dave))
         assert r.status_code == 200 and stdout(r.json()) == "kept for a while\n"
+        # A session deleted earlier can still be purged at once; not by someone else.
+        other = await new_session(http, dave)
+        await run(http, dave, other, "print('purge me later')")
+        assert (await http.delete(f"/v1/sessions/{other}", headers=auth(dave))).status_code == 204
+        r = await http.delete(f"/v1/sessions/{other}", params={"purge": "true"}, headers=auth(eve))
+        assert r.status_code == 404
+        assert count(gw, "SELECT COUNT(*) FROM events WHERE session_id = ?", other) > 0
+        r = await http.delete(f"/v1/sessions/{other}", params={"purge": "true"}, headers=auth(dave))
+        assert r.status_code == 204
+        assert count(gw, "SELECT COUNT(*) FROM events WHERE session_id = ?", other) == 0
 
     def purged() -> bool:
         return count(gw, "SELECT COUNT(*) FROM events WHERE session_id = ?", sid) == 0
