@@ -75,6 +75,8 @@ async def test_a_principal_over_its_quota_is_refused_while_another_is_not(gw: Ga
         assert used > QUOTA
         r = await http.post("/v1/sessions", json={}, headers=auth(alice))
         assert r.status_code == 507 and r.json()["error"] == "storage_full"
+        r = await http.post("/v1/batches", json={"items": [{"code": "1"}]}, headers=auth(alice))
+        assert r.status_code == 507 and r.json()["error"] == "storage_full"
         # The socket refuses the same way, and stays open.
         url = f"{gw.ws_url}/v1/sessions/{mine}/stream?since={big['events'][-1]['seq']}"
         async with connect(url, additional_headers=auth(alice)) as ws:
