@@ -9,12 +9,14 @@ at a version it fully reached. A database newer than this code is refused, not g
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import Callable
 from datetime import UTC, datetime
 
 from kernelhub.errors import ConfigError
 
+log = logging.getLogger(__name__)
 AUTO_VACUUM_INCREMENTAL = 2  # PRAGMA auto_vacuum value
 
 
@@ -76,5 +78,15 @@ def migrate(db: sqlite3.Connection, path: object) -> int:
         # A database made before version 2: auto_vacuum takes effect only through a full
         # VACUUM, done once here (at start-up, before the gateway serves anything).
         db.execute("PRAGMA auto_vacuum=INCREMENTAL")
-        db.execute("VACUUM")
+        try:
+            db.execute("VACUUM")
+        except sqlite3.OperationalError as exc:
+            # VACUUM needs room for a copy of the file; without it purges still delete
+            # rows (their pages are reused, not returned), and the next start tries again.
+            log.warning(
+                "could not convert %s to incremental vacuum (%s); free disk space and "
+                "restart to return purged space to the filesystem",
+                path,
+                exc,
+            )
     return start
