@@ -136,8 +136,10 @@ class RetentionSweeper:
                 ):
                     break
                 took = time.monotonic() - t0
-                rows = max(1, rows // 2) if took > 2 * STEP_TIME else rows
-                rows = min(4096, rows * 2) if took < STEP_TIME / 2 else rows
+                if took > 2 * STEP_TIME:
+                    rows = max(1, rows // 2)
+                elif took < STEP_TIME / 2:
+                    rows = min(4096, rows * 2)
         for snapshot_id in await on(partial(drop_session, store=self.store, session_id=session_id)):
             self.blobs.remove(snapshot_id)
         if self.on_purged is not None:
