@@ -3,6 +3,7 @@ Docker sandboxes, the store's file measured from outside."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -139,8 +140,26 @@ async def test_a_deleted_session_is_purged_after_its_retention(gw: Gateway) -> N
         assert r.status_code == 204
         assert count(gw, "SELECT COUNT(*) FROM events WHERE session_id = ?", other) == 0
 
+    # A session whose kernel died has ended too: its retention runs from its death.
+    async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
+        corpse = await new_session(http, dave)
+        r = await http.post(
+            f"/v1/sessions/{corpse}/executions",
+            json={"code": "import os\nos._exit(3)", "wait": True}, headers=auth(dave),
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        for _ in range(200):
+            state = (await http.get(f"/v1/sessions/{corpse}", headers=auth(dave))).json()["state"]
+            if state == "dead":
+                break
+            await asyncio.sleep(0.05)
+        assert state == "dead"
+
     def purged() -> bool:
-        return count(gw, "SELECT COUNT(*) FROM events WHERE session_id = ?", sid) == 0
+        return all(
+            count(gw, "SELECT COUNT(*) FROM events WHERE session_id = ?", s) == 0
+            for s in (sid, corpse)
+        )
 
     await eventually(purged, timeout=RETENTION + 10)
     assert count(gw, "SELECT COUNT(*) FROM executions WHERE session_id = ?", sid) == 0
@@ -148,6 +167,7 @@ async def test_a_deleted_session_is_purged_after_its_retention(gw: Gateway) -> N
     async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
         r = await http.get(f"/v1/executions/{cell['id']}", headers=auth(dave))
         assert r.status_code == 404
+        assert (await http.get(f"/v1/sessions/{corpse}", headers=auth(dave))).status_code == 404
 
 
 async def test_the_audit_log_keeps_who_when_what_with_the_code_bounded(gw: Gateway) -> None:
