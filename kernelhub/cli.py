@@ -65,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _gateway_args(sessions_sub.add_parser("ls", help="list sessions"))
     rm = sessions_sub.add_parser("rm", help="delete sessions")
     rm.add_argument("ids", nargs="+")
+    rm.add_argument(
+        "--purge", action="store_true", help="delete their events and executions now, too"
+    )
     _gateway_args(rm)
 
     export = sub.add_parser("export", help="save a session's cells and outputs as a notebook")
@@ -241,8 +244,8 @@ def _sessions(args: argparse.Namespace) -> int:
                 )
         else:
             for sid in args.ids:
-                hub.session(sid).delete()
-                print(f"deleted {sid}")
+                hub.session(sid).delete(purge=args.purge)
+                print(f"{'purged' if args.purge else 'deleted'} {sid}")
     return 0
 
 

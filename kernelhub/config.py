@@ -184,6 +184,60 @@ class BatchSettings(BaseModel):
     max_items: int = Field(500, ge=1, description="items in one batch")
 
 
+class StorageSettings(BaseModel):
+    """What the store may hold, for how long, and the disk it needs (docs/protocol.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    quota_bytes: int | None = Field(
+        1024 * MiB,
+        ge=0,
+        description="stored events and execution records (code, final record) per principal, "
+        "counted as they are written; past it new cells and sessions answer 507. None: no quota",
+    )
+    quotas: dict[str, int | None] = Field(
+        default_factory=dict,
+        description='per-principal overrides of quota_bytes, e.g. {"ci": 10737418240, '
+        '"admin": null}; null means no quota for that principal',
+    )
+    retention: float = Field(
+        24 * 3600.0,
+        ge=0,
+        description="seconds a deleted or dead session's events, executions and internal "
+        "snapshots are kept before the sweeper purges them; 0: at once (on delete)",
+    )
+    sweep_interval: float = Field(
+        60.0, gt=0, description="seconds between retention sweeps (sessions and audit)"
+    )
+    min_free_bytes: int = Field(
+        1024 * MiB,
+        ge=0,
+        description="free space the data directory's filesystem must keep; below it new "
+        "cells and sessions answer 507. 0 turns the check off",
+    )
+    min_free_fraction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="the same floor as a fraction of the filesystem's size (0.05 = 5%); "
+        "the larger of the two floors applies",
+    )
+    disk_check_interval: float = Field(
+        2.0, gt=0, description="seconds a free-space reading (statvfs) is reused"
+    )
+    audit_code_bytes: int = Field(
+        4096,
+        ge=0,
+        description="bytes of a cell's code kept in the audit log; the entry also keeps "
+        "the code's full length and SHA-256",
+    )
+    audit_retention: float | None = Field(
+        90 * 24 * 3600.0,
+        gt=0,
+        description="seconds audit entries are kept; None keeps them forever",
+    )
+
+
 class Settings(BaseSettings):
     """Everything kernelhub can be told. Variables: ``KERNELHUB_<FIELD>``, nested with ``__``
     (``KERNELHUB_LIMITS__CELL_TIMEOUT=60``)."""
@@ -205,6 +259,7 @@ class Settings(BaseSettings):
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
 
     @field_validator("run_dir")
     @classmethod

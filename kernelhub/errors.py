@@ -19,6 +19,7 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     ├── NotFoundError            no such session/execution — or it belongs to someone else
     ├── AuthError                missing, unknown or revoked token; or not an admin
     ├── QuotaError               too many sessions, queued cells or bytes; retry later
+    │   └── StorageFullError     a principal's storage quota is used up, or the disk is low
     └── InvalidRequestError      a request the gateway understood but cannot honour
         ├── TooLargeError        a body or file over its size limit
         └── MediaTypeError       a body that is not the JSON the route takes
@@ -106,6 +107,14 @@ class QuotaError(KernelhubError):
     def __init__(self, message: str, *, retry_after: float = 5.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class StorageFullError(QuotaError):
+    """No room to store more: the principal's storage quota is used up (deleting sessions
+    with ``?purge=true`` frees it), or the data directory's disk is below its floor."""
+
+    def __init__(self, message: str, *, retry_after: float = 60.0) -> None:
+        super().__init__(message, retry_after=retry_after)
 
 
 class InvalidRequestError(KernelhubError):

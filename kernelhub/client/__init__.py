@@ -29,6 +29,7 @@ from kernelhub.client.errors import (
     RateLimitedError,
     ServerError,
     SessionEndedError,
+    StorageFullError,
     StreamLostError,
     TooLargeError,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "SessionInfo",
     "SessionState",
     "StatusEvent",
+    "StorageFullError",
     "StreamEvent",
     "StreamLostError",
     "SyncIterator",

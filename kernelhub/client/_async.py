@@ -540,9 +540,10 @@ class AsyncSession:
         self._saw(self.last_info.last_seq)
         return self.last_info
 
-    async def delete(self) -> None:
-        """Stop the kernel and remove the session."""
-        await self.hub._send("DELETE", self._path)
+    async def delete(self, *, purge: bool = False) -> None:
+        """Stop the kernel and remove the session. Its history is kept for the gateway's
+        retention period; ``purge`` deletes it now (and frees its storage quota)."""
+        await self.hub._send("DELETE", self._path + ("?purge=true" if purge else ""))
 
     # -- executions --------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ refused a request, could not be reached, or broke the protocol.
         │   ├── ConflictError       409: the session or execution is in the wrong state
         │   │   └── SessionEndedError  410, close 4410: the session is gone for good
         │   ├── RateLimitedError    429: slow down; ``retry_after`` in seconds, or None
+        │   ├── StorageFullError    507: the storage quota is used up, or the gateway's disk is low
         │   └── ServerError         5xx: the gateway failed
         ├── GatewayUnreachableError no HTTP answer at all (refused, reset, timed out)
         ├── StreamLostError         the WebSocket kept dropping; reconnecting gave up
@@ -107,6 +108,13 @@ class RateLimitedError(ApiError):
             self.args = (f"{self.args[0]} (Retry-After: {retry_after:g} s)",)
 
 
+class StorageFullError(ApiError):
+    hint = (
+        "free space: delete sessions with purge=True (or ask the operator to raise the "
+        "quota or free disk); retrying unchanged will fail again"
+    )
+
+
 class ServerError(ApiError):
     hint = "the gateway failed; retry later, and report it with the gateway log if it persists"
 
@@ -138,6 +146,7 @@ _BY_STATUS: dict[int, type[ApiError]] = {
     415: InvalidRequestError,
     422: InvalidRequestError,
     429: RateLimitedError,
+    507: StorageFullError,
 }
 
 # The gateway's ``error`` kinds (``gateway/errors.py``), for an ``error`` frame on the
@@ -153,6 +162,7 @@ _BY_KIND: dict[str, type[ApiError]] = {
     "conflict": ConflictError,
     "session_ended": SessionEndedError,
     "too_many": RateLimitedError,
+    "storage_full": StorageFullError,
     "image_unavailable": ServerError,
     "backend_unavailable": ServerError,
     "sandbox_failed": ServerError,

@@ -50,7 +50,10 @@ class BodyLimit(BaseHTTPMiddleware):
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = await SqliteStore.open(settings.data_dir / "kernelhub.sqlite3")
+        store = await SqliteStore.open(
+            settings.data_dir / "kernelhub.sqlite3",
+            audit_code_bytes=settings.storage.audit_code_bytes,
+        )
         backend = make_backend(settings, instance=settings.gateway.instance)
         metrics = Metrics()
         manager = SessionManager(

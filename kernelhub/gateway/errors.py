@@ -27,6 +27,7 @@ from kernelhub.errors import (
     SandboxError,
     SessionClosedError,
     SessionError,
+    StorageFullError,
     TooLargeError,
 )
 from kernelhub.store.sqlite import StoreError
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
     (NotFoundError, 404, "not_found"),
     (AuthError, 401, "unauthorized"),
+    (StorageFullError, 507, "storage_full"),
     (QuotaError, 429, "too_many"),
     (TooLargeError, 413, "too_large"),
     (MediaTypeError, 415, "unsupported_media_type"),

@@ -49,6 +49,7 @@ def refusals(*statuses: int) -> dict[int | str, dict[str, object]]:
 
 BODY = (400, 413, 415, 422)  # a route that takes a JSON body
 SESSION = (404, 409, 410, 422)  # a route on one of the caller's sessions
+FULL = 507  # a route that stores: the principal's storage quota, or the disk floor
 
 
 def manager(request: Request) -> SessionManager:
@@ -89,7 +90,7 @@ async def ws_schema() -> dict[str, Any]:
 @router.post(
     "/v1/sessions",
     status_code=201,
-    responses=refusals(*BODY, 404, 409, 429, 503),
+    responses=refusals(*BODY, 404, 409, 429, 503, FULL),
     tags=["sessions"],
 )
 async def create_session(body: SessionCreate, request: Request, caller: Caller) -> SessionInfo:
@@ -112,15 +113,19 @@ async def get_session(session_id: str, request: Request, caller: Caller) -> Sess
     responses=refusals(404, 410, 422),
     tags=["sessions"],
 )
-async def delete_session(session_id: str, request: Request, caller: Caller) -> Response:
-    await manager(request).delete(caller, session_id, client_address(request))
+async def delete_session(
+    session_id: str, request: Request, caller: Caller, purge: bool = False
+) -> Response:
+    """End the session. Its events and executions are kept for the retention period
+    (KERNELHUB_STORAGE__RETENTION); ``purge=true`` deletes them now and returns the space."""
+    await manager(request).delete(caller, session_id, client_address(request), purge=purge)
     return Response(status_code=204)
 
 
 @router.post(
     "/v1/sessions/{session_id}/snapshots",
     status_code=201,
-    responses=refusals(*SESSION, 503),
+    responses=refusals(*SESSION, 503, FULL),
     tags=["snapshots"],
 )
 async def create_snapshot(session_id: str, request: Request, caller: Caller) -> SnapshotInfo:
@@ -170,7 +175,7 @@ async def resume_session(session_id: str, request: Request, caller: Caller) -> S
 @router.post(
     "/v1/sessions/{session_id}/executions",
     responses={
-        **refusals(*BODY, *SESSION, 429),
+        **refusals(*BODY, *SESSION, 429, FULL),
         200: {"model": ExecutionInfo},
         202: {"model": ExecutionInfo},
     },
@@ -269,7 +274,7 @@ async def download_file(
 # -- batches -----------------------------------------------------------------------------
 
 
-@router.post("/v1/batches", status_code=202, responses=refusals(*BODY, 429), tags=["batches"])
+@router.post("/v1/batches", status_code=202, responses=refusals(*BODY, 429, FULL), tags=["batches"])
 async def create_batch(body: BatchCreate, request: Request, caller: Caller) -> BatchInfo:
     """Run many items, each in a fresh session of its own, at most ``concurrency`` at a
     time. Answers at once; poll ``GET /v1/batches/{id}``. ``429`` with ``Retry-After`` when

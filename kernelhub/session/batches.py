@@ -250,10 +250,12 @@ class BatchRunner:
 
     async def submit(self, principal: Principal, body: BatchCreate) -> BatchInfo:
         """Queue a batch. Refuses (429) a batch that would push the items waiting, all
-        batches together, beyond ``KERNELHUB_BATCH__MAX_QUEUED_ITEMS``."""
+        batches together, beyond ``KERNELHUB_BATCH__MAX_QUEUED_ITEMS``; (507) one from a
+        principal over its storage quota."""
         cfg = self.settings.batch
         if self._closing:
             raise QuotaError("the gateway is shutting down; retry shortly", retry_after=5)
+        self.manager.storage.check(principal.name)  # 507 now, not one failed item at a time
         if len(body.items) > cfg.max_items:
             raise InvalidRequestError(
                 f"the batch has {len(body.items)} items; the most is {cfg.max_items} "

@@ -31,6 +31,7 @@ from kernelhub.wire import RestoreReport, RewindReport, SessionState, SnapshotIn
 
 if TYPE_CHECKING:
     from kernelhub.session.manager import LiveSession
+    from kernelhub.store.quota import StorageGuard
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Continuity:
         backend: SandboxBackend
         store: SqliteStore
         blobs: BlobStore
+        storage: StorageGuard
         sessions: dict[str, LiveSession]
 
         async def _get(self, principal: Principal, session_id: str) -> LiveSession: ...
@@ -302,6 +304,8 @@ class Continuity:
         """Capture the namespace and /workspace inside the sandbox, move the result out as
         an opaque blob, bind it to its owner with a MAC. The host never opens it."""
         live = await self._get(principal, session_id)
+        if kind == "snapshot":  # a low disk refuses snapshots; hibernation frees memory
+            self.storage.check_disk()
         kernel = await self._awake(live)
         name = f"snap-{uuid.uuid4().hex[:12]}"
         timeout = self.settings.gateway.snapshot_timeout

@@ -49,6 +49,8 @@ from kernelhub.session.continuity import Continuity
 from kernelhub.session.fanout import SessionFanout
 from kernelhub.session.pool import WarmPool
 from kernelhub.snapshot.blobs import BlobStore
+from kernelhub.store.quota import StorageGuard
+from kernelhub.store.retention import RetentionSweeper
 from kernelhub.store.sqlite import (
     AuditEntry,
     Principal,
@@ -142,6 +144,8 @@ class SessionManager(Continuity):
         # New rows not committed yet, with what to do once they are (see when_stored).
         self._storing: dict[str, list[Callable[[], None]]] = {}
         self.blobs = BlobStore(settings.data_dir)
+        self.storage = StorageGuard(settings.storage, store.ledger, settings.data_dir)
+        self.retention = RetentionSweeper(store, self.blobs, settings.storage, self._purged)
         self._tasks: set[asyncio.Task[None]] = set()
         budget = settings.gateway.memory_budget_bytes
         self.memory_budget = (
@@ -200,6 +204,7 @@ class SessionManager(Continuity):
         await self.backend.reap_orphans()
         self.pool.start()  # after the reap, which would take its sandboxes for orphans
         self._spawn(self._hibernate_idle())
+        self._spawn(self.retention.run())
 
     async def _finish_orphaned_executions(
         self, live: LiveSession, last_seq: int, lost: str | None
@@ -287,6 +292,7 @@ class SessionManager(Continuity):
         self, principal: Principal, body: SessionCreate, client: str | None = None
     ) -> SessionInfo:
         limits = self.resolve_limits(body.limits)
+        self.storage.check(principal.name)
         alive = self._alive()
         g = self.settings.gateway
         if len(alive) >= g.max_sessions:
@@ -590,14 +596,28 @@ class SessionManager(Continuity):
         return out
 
     async def delete(
-        self, principal: Principal, session_id: str, client: str | None = None
+        self,
+        principal: Principal,
+        session_id: str,
+        client: str | None = None,
+        *,
+        purge: bool = False,
     ) -> None:
+        """End the session. Its events and executions stay for the retention period
+        (KERNELHUB_STORAGE__RETENTION), unless ``purge``: then they go now, and a session
+        that ended earlier (deleted, or dead before a restart) can be purged this way too."""
+        purge = purge or self.settings.storage.retention == 0
         live = self._held(principal, session_id)
         if live is None:
             # Dead before a restart: nothing left to stop, but the owner may still remove it.
             stored = await self._gone(principal, session_id)
             if stored.deleted_at is not None:
-                raise _ended(stored.id, SessionState.DELETED, stored.reason)
+                if not purge:
+                    raise _ended(stored.id, SessionState.DELETED, stored.reason)
+                # Deleted earlier and not purged yet: purge it now.
+                await self.retention.purge(session_id)
+                await self._audit_delete(principal, session_id, client, purge)
+                return
         else:
             live.state = SessionState.DELETED
             if live.kernel is not None:
@@ -610,14 +630,31 @@ class SessionManager(Continuity):
         if live is not None:
             del self.sessions[session_id]
             self.pool.poke()
+        if purge:
+            await self.retention.purge(session_id)
+        await self._audit_delete(principal, session_id, client, purge)
+
+    async def _audit_delete(
+        self, principal: Principal, session_id: str, client: str | None, purge: bool
+    ) -> None:
         await self.store.audit(
             AuditEntry(
                 principal=principal.name,
                 action="session.delete",
                 session_id=session_id,
                 client=client,
+                detail={"purge": True} if purge else None,
             )
         )
+
+    async def _purged(self, session_id: str) -> None:
+        """The sweeper purged a session: a dead one may still be in the table."""
+        live = self.sessions.pop(session_id, None)
+        if live is not None:
+            if live.kernel is not None:
+                with contextlib.suppress(KernelhubError):
+                    await live.kernel.close()
+            await live.fanout.close()
 
     async def stop_all(self, principal: Principal, client: str | None = None) -> int:
         """The emergency stop: every sandbox, now."""
@@ -687,6 +724,7 @@ class SessionManager(Continuity):
     def _new_execution(
         self, principal: Principal, live: LiveSession, kernel: KernelSession, body: ExecutionCreate
     ) -> StoredExecution:
+        self.storage.check(live.stored.owner)  # the owner's store holds what it outputs
         if kernel.queue_length >= self.settings.gateway.max_queued_per_session:
             raise QuotaError(
                 f"session {live.id} already has {kernel.queue_length} cells queued; wait for some to finish",

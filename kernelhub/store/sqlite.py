@@ -24,6 +24,8 @@ from pydantic import BaseModel, Field, TypeAdapter
 
 from kernelhub.errors import KernelhubError
 from kernelhub.models import Event, ExecutionRecord, ExecutionStatus
+from kernelhub.store import migrations
+from kernelhub.store.quota import StorageLedger
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -234,8 +236,10 @@ class StoreError(KernelhubError):
 class SqliteStore:
     """All persistence. Open with :meth:`open`, always :meth:`close`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, audit_code_bytes: int = 4096) -> None:
         self.path = path
+        self.audit_code_bytes = audit_code_bytes
+        self.ledger = StorageLedger()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernelhub-store")
         self._db: sqlite3.Connection | None = None
         self._queued = 0  # operations handed to the store thread and not finished yet
@@ -251,14 +255,18 @@ class SqliteStore:
         self._tick_timed = False
 
     @classmethod
-    async def open(cls, path: Path) -> SqliteStore:
-        store = cls(path)
+    async def open(cls, path: Path, *, audit_code_bytes: int = 4096) -> SqliteStore:
+        store = cls(path, audit_code_bytes=audit_code_bytes)
         await store._run(store._open)
         return store
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        # Purged rows' pages go back to the filesystem (see retention.py); on a new file
+        # this must come before the first table, an old one is converted by migrate().
+        if not db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall():
+            db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a committed transaction survives a process crash (kill -9);
         # only an OS crash can lose the last few, which is the usual trade.
@@ -267,7 +275,13 @@ class SqliteStore:
         # on the event loop: see _run and append_events.
         db.execute("PRAGMA wal_autocheckpoint=0")
         db.execute("PRAGMA foreign_keys=ON")
+        # Builds that default to secure_delete=ON zero every freed page through the WAL: a
+        # purge of 200 MB wrote 200 MB more. FAST zeroes what costs no extra I/O; the rest
+        # leaves the file when the incremental vacuum truncates or overwrites it.
+        db.execute("PRAGMA secure_delete=FAST")
         db.executescript(SCHEMA)
+        migrations.migrate(db, self.path)
+        self.ledger.load(db)
         self._db = db
 
     async def close(self) -> None:
@@ -286,6 +300,16 @@ class SqliteStore:
         if self._queued == 0 and self._db is not None:
             return fn(*args)
         return await self._off(fn, *args)
+
+    async def on_thread(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn(connection)`` on the store thread, after every write queued before it:
+        for maintenance (retention.py) that works on many rows in bounded steps."""
+
+        def call() -> T:
+            assert self._db is not None
+            return fn(self._db)
+
+        return await self._off(call)
 
     async def _off(self, fn: Callable[..., T], *args: Any) -> T:
         """On the store thread: operations that may touch many rows or bytes."""
@@ -369,6 +393,7 @@ class SqliteStore:
                 self._db.execute("BEGIN")
                 for op in ops:
                     op()
+                self.ledger.write(self._db)
 
         def ended(error: Exception | None) -> None:
             if not done.done():
@@ -469,30 +494,38 @@ class SqliteStore:
     # -- sessions ----------------------------------------------------------------------
 
     async def insert_session(self, s: StoredSession) -> None:
-        await self._run(
-            self._q,
-            "INSERT INTO sessions (id, owner, backend, state, created_at, limits, metadata, reason)"
-            " VALUES (?,?,?,?,?,?,?,?)",
-            (
-                s.id,
-                s.owner,
-                s.backend,
-                s.state,
-                s.created_at.isoformat(),
-                json.dumps(s.limits),
-                json.dumps(s.metadata),
-                s.reason,
-            ),
-        )
+        def insert() -> None:
+            self._q(
+                "INSERT INTO sessions (id, owner, backend, state, created_at, limits, metadata,"
+                " reason) VALUES (?,?,?,?,?,?,?,?)",
+                (
+                    s.id,
+                    s.owner,
+                    s.backend,
+                    s.state,
+                    s.created_at.isoformat(),
+                    json.dumps(s.limits),
+                    json.dumps(s.metadata),
+                    s.reason,
+                ),
+            )
+            # Here, not on the loop: the ledger is touched only by whoever holds the connection.
+            self.ledger.add_session(s.id, s.owner)
+
+        await self._run(insert)
 
     async def update_session(
         self, session_id: str, *, state: str, reason: str | None = None, deleted: bool = False
     ) -> None:
+        # ended_at starts a dead or deleted session's retention period (retention.py).
+        at = now_iso()
         await self._run(
             self._q,
             "UPDATE sessions SET state = ?, reason = COALESCE(?, reason),"
-            " deleted_at = CASE WHEN ? THEN ? ELSE deleted_at END WHERE id = ?",
-            (state, reason, int(deleted), now_iso(), session_id),
+            " deleted_at = CASE WHEN ? THEN ? ELSE deleted_at END,"
+            " ended_at = CASE WHEN ? IN ('dead', 'deleted') THEN COALESCE(ended_at, ?) END"
+            " WHERE id = ?",
+            (state, reason, int(deleted), at, state, at, session_id),
         )
 
     async def get_session(self, session_id: str) -> StoredSession | None:
@@ -532,6 +565,8 @@ class SqliteStore:
         def insert() -> StoredExecution:
             try:
                 self._insert_execution(e)
+                assert self._db is not None
+                self.ledger.write(self._db)
                 return e
             except sqlite3.IntegrityError:
                 found = self._q(
@@ -547,11 +582,22 @@ class SqliteStore:
     async def update_execution(
         self, execution_id: str, status: ExecutionStatus, record: ExecutionRecord | None = None
     ) -> None:
-        await self._run(
-            self._q,
-            "UPDATE executions SET status = ?, record = COALESCE(?, record) WHERE id = ?",
-            (status.value, record.model_dump_json() if record else None, execution_id),
-        )
+        body = record.model_dump_json() if record else None
+
+        def update() -> None:
+            assert self._db is not None
+            with self._db:
+                self._db.execute("BEGIN")
+                cur = self._db.execute(
+                    "UPDATE executions SET status = ?, record = COALESCE(?, record) WHERE id = ?"
+                    " RETURNING session_id",
+                    (status.value, body, execution_id),
+                )
+                for (session_id,) in cur.fetchall():
+                    self.ledger.charge(session_id, len(body or ""))
+                self.ledger.write(self._db)
+
+        await self._run(update)
 
     async def finish_execution(self, record: ExecutionRecord, audit: AuditEntry) -> None:
         """The final record and its audit entry, in one transaction."""
@@ -563,6 +609,7 @@ class SqliteStore:
         """:meth:`finish_execution` in this loop turn's commit, without waiting; the future
         resolves once it is committed."""
         body = record.model_dump_json()
+        session_id = audit.session_id or ""
 
         def finish() -> None:
             assert self._db is not None
@@ -570,6 +617,7 @@ class SqliteStore:
                 "UPDATE executions SET status = ?, record = ? WHERE id = ?",
                 (record.status.value, body, record.execution_id),
             )
+            self.ledger.charge(session_id, len(body))
             self._insert_audit(audit)
 
         return self._in_tick(finish, len(body) + len(audit.code or ""))
@@ -585,6 +633,7 @@ class SqliteStore:
             (e.id, e.session_id, e.owner, e.code, e.status.value, e.idempotency_key,
              e.created_at.isoformat()),
         )  # fmt: skip
+        self.ledger.charge(e.session_id, len(e.code))
 
     async def execution_by_key(self, owner: str, key: str) -> StoredExecution | None:
         """The owner's execution made with this idempotency key, if any."""
@@ -632,10 +681,12 @@ class SqliteStore:
 
         def append() -> None:
             assert self._db is not None
-            self._db.execute(
+            cur = self._db.execute(
                 "INSERT OR IGNORE INTO events (session_id, seq, execution_id, body) VALUES (?,?,?,?)",
                 row,
             )
+            if cur.rowcount > 0:
+                self.ledger.charge(session_id, len(body))
 
         return self._in_tick(append, len(body), then, wait=wait)
 
@@ -900,17 +951,19 @@ class SqliteStore:
         await self._run(self._insert_audit, entry)
 
     def _insert_audit(self, entry: AuditEntry) -> None:
+        # Who, when and what, with the code bounded: its head, full length and hash.
+        code, code_bytes, code_sha256 = bounded_code(entry.code, self.audit_code_bytes)
         self._q(
             "INSERT INTO audit (at, principal, action, session_id, execution_id, code, status,"
-            " duration, cpu_seconds, peak_memory_bytes, output_bytes, client, detail)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " duration, cpu_seconds, peak_memory_bytes, output_bytes, client, detail,"
+            " code_bytes, code_sha256) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 now_iso(),
                 entry.principal,
                 entry.action,
                 entry.session_id,
                 entry.execution_id,
-                entry.code,
+                code,
                 entry.status,
                 entry.duration,
                 entry.cpu_seconds,
@@ -918,6 +971,8 @@ class SqliteStore:
                 entry.output_bytes,
                 entry.client,
                 json.dumps(entry.detail) if entry.detail is not None else None,
+                code_bytes,
+                code_sha256,
             ),
         )
 
@@ -935,6 +990,16 @@ class SqliteStore:
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
         return await self._off(fetch)
+
+
+def bounded_code(code: str | None, limit: int) -> tuple[str | None, int | None, str | None]:
+    """(the first ``limit`` bytes of the code, cut at a character boundary, its length in
+    bytes, its SHA-256): what the audit log keeps of a cell."""
+    if code is None:
+        return None, None, None
+    raw = code.encode("utf-8", "surrogatepass")
+    head = raw[:limit].decode("utf-8", "ignore") if len(raw) > limit else code
+    return head, len(raw), hashlib.sha256(raw).hexdigest()
 
 
 def _time(value: str | None) -> datetime | None:

@@ -47,6 +47,7 @@ from kernelhub.client import (
     RateLimitedError,
     ServerError,
     SessionEndedError,
+    StorageFullError,
     StreamLostError,
     TooLargeError,
     batch_item,
@@ -215,6 +216,7 @@ def test_client_errors_are_also_the_servers_errors_of_the_same_meaning() -> None
     forbidden = client_errors.api_error(403, "forbidden", "admins only")
     assert isinstance(forbidden, AuthError) and forbidden.admin_required
     assert isinstance(client_errors.api_error(None, "too_many", "x"), RateLimitedError)
+    assert isinstance(client_errors.api_error(None, "storage_full", "x"), StorageFullError)
     assert isinstance(client_errors.api_error(None, "invalid_frame", "x"), InvalidRequestError)
     assert type(client_errors.api_error(None, "something_new", "x")) is ApiError
 
@@ -231,6 +233,7 @@ def test_client_errors_are_also_the_servers_errors_of_the_same_meaning() -> None
         (413, TooLargeError),
         (422, InvalidRequestError),
         (429, RateLimitedError),
+        (507, StorageFullError),
         (500, ServerError),
         (503, ServerError),
         (418, ApiError),

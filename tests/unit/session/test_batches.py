@@ -15,7 +15,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from kernelhub.config import Settings, load_settings
+from kernelhub.config import Settings, StorageSettings, load_settings
 from kernelhub.errors import InvalidRequestError, NotFoundError, QuotaError, SessionError
 from kernelhub.models import EndedBy, Execution, ExecutionRecord, ExecutionStatus
 from kernelhub.session.batches import (
@@ -27,6 +27,7 @@ from kernelhub.session.batches import (
     retry_after,
     wait_seconds,
 )
+from kernelhub.store.quota import StorageGuard, StorageLedger
 from kernelhub.store.sqlite import (
     Principal,
     SqliteStore,
@@ -167,6 +168,7 @@ class FakeManager:
         self.most_alive = 0
         self.created = 0
         self.refusals = 0  # QuotaErrors to answer before creating
+        self.storage = StorageGuard(StorageSettings(min_free_bytes=0), StorageLedger(), Path())
 
     def resolve_limits(self, requested: Any) -> None:
         pass  # the real one is exercised by tests/gateway/test_batches.py
