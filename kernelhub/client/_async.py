@@ -16,9 +16,11 @@ import contextlib
 import inspect
 import json
 import logging
+import os
 import random
 import time
 import uuid
+import weakref
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -55,11 +57,15 @@ from kernelhub.client.errors import (
     api_error,
 )
 from kernelhub.models import (
+    DisplayEvent,
     Event,
     Execution,
     FinalEvent,
     InputRequestEvent,
+    Result,
+    ResultEvent,
     StreamEvent,
+    result_of,
 )
 from kernelhub.wire import (
     PROTOCOL_VERSION,
@@ -88,7 +94,11 @@ from kernelhub.wire import (
     SnapshotInfo,
 )
 
-__all__ = ["AsyncHub", "AsyncSession", "FileInfo", "batch_item"]
+__all__ = ["DEFAULT_URL", "TOKEN_ENV", "URL_ENV", "AsyncHub", "AsyncSession", "FileInfo", "batch_item"]
+
+URL_ENV = "KERNELHUB_URL"
+TOKEN_ENV = "KERNELHUB_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8765"  # the gateway's default bind (GatewaySettings.port)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -98,6 +108,10 @@ EventCallback = Callable[[Event], object]
 """Called with every event of the execution, in order; may be async."""
 InputCallback = Callable[[str], "str | Awaitable[str]"]
 """Called with the prompt when the cell calls ``input()``; returns the line to send."""
+StartCallback = Callable[[str], object]
+"""Called with the execution id once the gateway has accepted the cell; may be async."""
+ResultCallback = Callable[[Result], object]
+"""Called with each rich output (a display, the last expression's value); may be async."""
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +142,17 @@ class _Writable(Protocol):
 
 
 UploadData = bytes | bytearray | memoryview | AsyncIterable[bytes] | Iterable[bytes] | _Readable
+
+
+def hub_address(base_url: str | None, token: str | None) -> tuple[str, str | None]:
+    """The gateway URL and token a hub uses: the arguments, else ``KERNELHUB_URL`` /
+    ``KERNELHUB_TOKEN``, else the local default and no token (only ``health`` works then)."""
+    url = base_url if base_url is not None else os.environ.get(URL_ENV) or DEFAULT_URL
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        source = "base_url" if base_url is not None else URL_ENV
+        raise ClientError(f"{source} must look like http://host:port or https://host, got {url!r}")
+    return url, token if token is not None else os.environ.get(TOKEN_ENV) or None
 
 
 def _new_id() -> str:
@@ -255,6 +280,12 @@ def _to_execution(info: ExecutionInfo) -> Execution:
 class AsyncHub:
     """One kernelhub gateway. ``async with AsyncHub(url, token) as hub: ...``
 
+    ``AsyncHub()`` reads the gateway's address from ``KERNELHUB_URL`` (default
+    ``http://127.0.0.1:8765``) and the token from ``KERNELHUB_TOKEN``.
+
+    Sessions share the hub's connection pool and keep it alive: after :meth:`close` the
+    hub itself refuses ("this Hub is closed"), but a session it gave out goes on working
+    until it is deleted (leaving ``async with session:``), and only then is the pool closed.
     ``timeout`` bounds each HTTP request and WebSocket handshake in seconds (None: no
     limit); a REST ``run`` waits as long as the execution takes, which the gateway bounds
     by the cell timeout. ``max_retries`` re-sends a request that was refused with 429/503,
@@ -266,30 +297,29 @@ class AsyncHub:
 
     def __init__(
         self,
-        base_url: str,
-        token: str,
+        base_url: str | None = None,
+        token: str | None = None,
         *,
         timeout: float | None = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
         max_retries: int = 2,
         max_reconnects: int = 5,
     ) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ClientError(
-                f"base_url must look like http://host:port or https://host, got {base_url!r}"
-            )
+        base_url, token = hub_address(base_url, token)
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.max_retries = max_retries
         self.max_reconnects = max_reconnects
-        self._headers = {
-            "Authorization": f"Bearer {token}",
-            "User-Agent": f"kernelhub-python/{__version__}",
-        }
+        self._has_token = bool(token)
+        self._headers = {"User-Agent": f"kernelhub-python/{__version__}"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
         )
+        self._closed = False
+        # Sessions given out and not yet deleted: each keeps the pool open after close().
+        self._sessions: weakref.WeakSet[AsyncSession] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"AsyncHub({self.base_url!r})"
@@ -305,9 +335,34 @@ class AsyncHub:
     ) -> None:
         await self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
-        """Close the HTTP connection pool. Sessions stay alive on the gateway."""
+        """Close the hub: its own methods then raise "this Hub is closed". Sessions stay
+        alive on the gateway, and a session object it gave out keeps working; the HTTP
+        pool closes when the last of those is deleted. Idempotent."""
+        self._closed = True
+        if not self._sessions:
+            await self._http.aclose()
+
+    async def _release(self, session: AsyncSession) -> None:
+        """``session`` is deleted: it no longer holds the pool open."""
+        self._sessions.discard(session)
+        if self._closed and not self._sessions:
+            await self._http.aclose()
+
+    async def _shutdown(self) -> None:
+        """Close the pool whoever still holds it (the sync Hub's last goodbye)."""
+        self._closed = True
+        self._sessions.clear()
         await self._http.aclose()
+
+    def _adopt(self, info: SessionInfo) -> AsyncSession:
+        session = AsyncSession(self, info)
+        self._sessions.add(session)
+        return session
 
     async def create_session(
         self,
@@ -331,12 +386,12 @@ class AsyncHub:
             "/v1/sessions",
             json=body.model_dump(mode="json", exclude_none=True, exclude_unset=True),
         )
-        return AsyncSession(self, _parse(SessionInfo, response))
+        return self._adopt(_parse(SessionInfo, response))
 
     async def session(self, session_id: str) -> AsyncSession:
         """Attach to an existing session of yours."""
         response = await self._send("GET", f"/v1/sessions/{quote(session_id, safe='')}")
-        return AsyncSession(self, _parse(SessionInfo, response))
+        return self._adopt(_parse(SessionInfo, response))
 
     async def list_sessions(self) -> list[SessionInfo]:
         """Your sessions (only those of this token)."""
@@ -417,7 +472,13 @@ class AsyncHub:
 
     # -- transport ---------------------------------------------------------------------
 
-    async def _send(
+    async def _send(self, method: str, path: str, **options: Any) -> httpx.Response:
+        """A request of the hub's own (not of a session it gave out)."""
+        if self._closed:
+            raise ClientError(f"this Hub is closed; {method} {path} was not sent; create a new Hub")
+        return await self._request(method, path, **options)
+
+    async def _request(
         self,
         method: str,
         path: str,
@@ -435,6 +496,11 @@ class AsyncHub:
         when ``replay_safe``. A streamed body is never retried. With ``stream`` the caller
         owns the returned response and must close it.
         """
+        if self._http.is_closed:
+            raise ClientError(
+                f"this Hub is closed and so is its connection pool; {method} {path} was not "
+                "sent; create a new Hub (AsyncHub().session(id) attaches to a session again)"
+            )
         retries = self.max_retries if content is None or isinstance(content, bytes) else 0
         attempt = 0
         while True:
@@ -466,6 +532,8 @@ class AsyncHub:
                 await response.aread()
                 await response.aclose()
             error = _http_error(response.status_code, response.headers, response.content)
+            if error.status == 401 and not self._has_token:
+                error.add_note(f"no token was given: pass token= or set {TOKEN_ENV}")
             delay = self._retry_delay(error, attempt + 1, replay_safe)
             if attempt < retries and delay is not None:
                 attempt += 1
@@ -536,13 +604,18 @@ class AsyncSession:
 
     async def info(self) -> SessionInfo:
         """Fetch the session's current state (also kept in :attr:`last_info`)."""
-        self.last_info = _parse(SessionInfo, await self.hub._send("GET", self._path))
+        self.last_info = _parse(SessionInfo, await self.hub._request("GET", self._path))
         self._saw(self.last_info.last_seq)
         return self.last_info
 
     async def delete(self) -> None:
         """Stop the kernel and remove the session."""
-        await self.hub._send("DELETE", self._path)
+        try:
+            await self.hub._request("DELETE", self._path)
+        except (NotFoundError, SessionEndedError):
+            await self.hub._release(self)
+            raise
+        await self.hub._release(self)
 
     # -- executions --------------------------------------------------------------------
 
@@ -555,14 +628,19 @@ class AsyncSession:
         on_stderr: TextCallback | None = None,
         on_event: EventCallback | None = None,
         on_input: InputCallback | None = None,
+        on_start: StartCallback | None = None,
+        on_result: ResultCallback | None = None,
         idempotency_key: str | None = None,
     ) -> Execution:
         """Run ``code`` and return the finished :class:`Execution`.
 
         ``timeout`` is the cell's limit in seconds (None: the session's). A failing cell is
-        not an exception: look at ``execution.error``. With any callback, output streams
-        over the WebSocket and callbacks are called in order as it arrives (they may be
-        async); ``on_input(prompt)`` answers ``input()`` — without it, a cell that asks
+        not an exception: look at ``execution.error``; its rich outputs are
+        ``execution.results``. With any callback, output streams over the WebSocket and
+        callbacks are called in order as it arrives (they may be async): ``on_start(id)``
+        as soon as the gateway has accepted the cell (keep the id to :meth:`interrupt` it
+        from another task or thread), ``on_result(result)`` for each display and the
+        value; ``on_input(prompt)`` answers ``input()`` — without it, a cell that asks
         waits for :meth:`send_input` or its timeout. Without callbacks this is one REST
         request. A fresh idempotency key is generated unless given, so the SDK's retries
         and reconnects never run the code twice. Cancelling ``run`` or a callback raising
@@ -570,11 +648,12 @@ class AsyncSession:
         """
         user_key = idempotency_key is not None
         key = idempotency_key or _new_id()
-        if any(cb is not None for cb in (on_stdout, on_stderr, on_event, on_input)):
-            callbacks = _Callbacks(on_stdout, on_stderr, on_event, on_input)
+        given = (on_stdout, on_stderr, on_event, on_input, on_start, on_result)
+        if any(cb is not None for cb in given):
+            callbacks = _Callbacks(*given)
             return await self._run_streamed(code, timeout, key, user_key, callbacks)
         body = _build(ExecutionCreate, code=code, timeout=timeout, wait=True, idempotency_key=key)
-        response = await self.hub._send(
+        response = await self.hub._request(
             "POST",
             f"{self._path}/executions",
             json=body.model_dump(mode="json", exclude_none=True),
@@ -598,7 +677,7 @@ class AsyncSession:
             wait=False,
             idempotency_key=idempotency_key or _new_id(),
         )
-        response = await self.hub._send(
+        response = await self.hub._request(
             "POST",
             f"{self._path}/executions",
             json=body.model_dump(mode="json", exclude_none=True),
@@ -608,7 +687,7 @@ class AsyncSession:
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo:
         """The execution's state; ``events`` is filled in once it has finished."""
-        response = await self.hub._send(
+        response = await self.hub._request(
             "GET", f"/v1/executions/{quote(execution_id, safe='')}", replay_safe=True
         )
         return _parse(ExecutionInfo, response)
@@ -625,18 +704,18 @@ class AsyncSession:
 
     async def interrupt(self, execution_id: str) -> None:
         """Send KeyboardInterrupt to a running execution; variables are kept."""
-        await self.hub._send("POST", f"/v1/executions/{quote(execution_id, safe='')}/interrupt")
+        await self.hub._request("POST", f"/v1/executions/{quote(execution_id, safe='')}/interrupt")
 
     async def snapshot(self) -> SnapshotInfo:
         """Capture the variables and /workspace files (inside the sandbox); returns what
         was saved and, by name with the reason, what was not."""
-        response = await self.hub._send("POST", f"/v1/sessions/{quote(self.id, safe='')}/snapshots")
+        response = await self.hub._request("POST", f"/v1/sessions/{quote(self.id, safe='')}/snapshots")
         return _parse(SnapshotInfo, response)
 
     async def rewind(self, before_cell: int) -> RewindReport:
         """Undo cell ``before_cell`` and everything after it (sessions created with
         ``checkpoints``): the kernel comes back as it was before that cell."""
-        response = await self.hub._send(
+        response = await self.hub._request(
             "POST",
             f"/v1/sessions/{quote(self.id, safe='')}/rewind",
             json={"before_cell": before_cell},
@@ -646,33 +725,33 @@ class AsyncSession:
     async def pause(self) -> SessionInfo:
         """Freeze the whole sandbox: no CPU, the running cell shows ``paused`` and its
         timeout stops; execute/interrupt answer 409 until :meth:`resume`."""
-        response = await self.hub._send("POST", f"/v1/sessions/{quote(self.id, safe='')}/pause")
+        response = await self.hub._request("POST", f"/v1/sessions/{quote(self.id, safe='')}/pause")
         self.last_info = _parse(SessionInfo, response)
         return self.last_info
 
     async def resume(self) -> SessionInfo:
         """Thaw a paused session; the cell continues exactly where it stopped."""
-        response = await self.hub._send("POST", f"/v1/sessions/{quote(self.id, safe='')}/resume")
+        response = await self.hub._request("POST", f"/v1/sessions/{quote(self.id, safe='')}/resume")
         self.last_info = _parse(SessionInfo, response)
         return self.last_info
 
     async def cancel(self, execution_id: str) -> ExecutionInfo:
         """Drop a queued execution before it starts."""
-        response = await self.hub._send(
+        response = await self.hub._request(
             "POST", f"/v1/executions/{quote(execution_id, safe='')}/cancel"
         )
         return _parse(ExecutionInfo, response)
 
     async def send_input(self, execution_id: str, value: str) -> None:
         """Answer the ``input()`` an execution is waiting on."""
-        await self.hub._send(
+        await self.hub._request(
             "POST", f"/v1/executions/{quote(execution_id, safe='')}/input", json={"value": value}
         )
 
     async def notebook(self, *, html: bool = False) -> bytes:
         """The session's executions so far as a Jupyter notebook (``.ipynb`` JSON), or with
         ``html`` as one self-contained, script-free HTML page."""
-        response = await self.hub._send(
+        response = await self.hub._request(
             "GET", f"{self._path}/notebook?format={'html' if html else 'ipynb'}", replay_safe=True
         )
         return response.content
@@ -733,6 +812,7 @@ class AsyncSession:
                     batch = [frame.event] if frame.event.execution_id == execution_id else []
                 elif isinstance(frame, AcceptedFrame) and frame.request_id == request_id:
                     execution_id = frame.execution_id
+                    await callbacks.started(execution_id)
                     if user_key:
                         # The key may name an execution from an earlier call, whose events
                         # predate this stream: if it has finished, its record says it all.
@@ -780,19 +860,19 @@ class AsyncSession:
         content: bytes | AsyncIterable[bytes] = (
             bytes(data) if isinstance(data, bytes | bytearray | memoryview) else _chunks(data)
         )
-        response = await self.hub._send(
+        response = await self.hub._request(
             "PUT", self._file_path(path), content=content, replay_safe=True
         )
         return _parse(FileInfo, response)
 
     async def download(self, path: str) -> bytes:
         """Read a whole file from the session's workspace into memory."""
-        response = await self.hub._send("GET", self._file_path(path), replay_safe=True)
+        response = await self.hub._request("GET", self._file_path(path), replay_safe=True)
         return response.content
 
     async def download_to(self, path: str, file: _Writable) -> int:
         """Stream a file from the workspace into ``file`` (sync or async); returns its size."""
-        response = await self.hub._send("GET", self._file_path(path), replay_safe=True, stream=True)
+        response = await self.hub._request("GET", self._file_path(path), replay_safe=True, stream=True)
         size = 0
         try:
             async for chunk in response.aiter_bytes(_CHUNK_BYTES):
@@ -841,17 +921,28 @@ class _Callbacks:
         on_stderr: TextCallback | None,
         on_event: EventCallback | None,
         on_input: InputCallback | None,
+        on_start: StartCallback | None,
+        on_result: ResultCallback | None,
     ) -> None:
         self.on_stdout = on_stdout
         self.on_stderr = on_stderr
         self.on_event = on_event
         self.on_input = on_input
+        self.on_start = on_start
+        self.on_result = on_result
         self.reply_ids: set[str] = set()
+
+    async def started(self, execution_id: str) -> None:
+        if self.on_start is not None:
+            await _call(self.on_start, execution_id)
 
     async def dispatch(self, event: Event, stream: _EventStream | None, execution_id: str) -> None:
         if self.on_event is not None:
             await _call(self.on_event, event)
-        if isinstance(event, StreamEvent):
+        if isinstance(event, ResultEvent) or (isinstance(event, DisplayEvent) and not event.update):
+            if self.on_result is not None:
+                await _call(self.on_result, result_of(event))
+        elif isinstance(event, StreamEvent):
             callback = self.on_stdout if event.name == "stdout" else self.on_stderr
             if callback is not None:
                 await _call(callback, event.text)
