@@ -105,8 +105,12 @@ def main() -> None:
     print(f"kernelhub sandbox ({image}), whole cell, failing vs the same cell succeeding:")
     first = failing[0] - succeeding[0]
     warm = statistics.median(f - s for f, s in zip(failing[1:], succeeding[1:], strict=True))
-    print(f"  failing  first {_ms(failing[0]):>10}   warm median {_ms(statistics.median(failing[1:])):>9}")
-    print(f"  ok       first {_ms(succeeding[0]):>10}   warm median {_ms(statistics.median(succeeding[1:])):>9}")
+    print(
+        f"  failing  first {_ms(failing[0]):>10}   warm median {_ms(statistics.median(failing[1:])):>9}"
+    )
+    print(
+        f"  ok       first {_ms(succeeding[0]):>10}   warm median {_ms(statistics.median(succeeding[1:])):>9}"
+    )
     print(f"  traceback cost: first {_ms(first)}, warm median {_ms(warm)}")
     print("the traceback as the SDK gives it (CellError.traceback_text):")
     print("\n".join(f"    {line}" for line in text.splitlines()))

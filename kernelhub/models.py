@@ -335,10 +335,11 @@ def results_of(events: list[Event]) -> list[Result]:
                 for r in results
             ]
             continue
-        if isinstance(event, StreamEvent | ErrorEvent | DisplayEvent | ResultEvent):
-            if clear_pending:
-                results.clear()
-                clear_pending = False
+        if clear_pending and isinstance(
+            event, StreamEvent | ErrorEvent | DisplayEvent | ResultEvent
+        ):
+            results.clear()
+            clear_pending = False
         if isinstance(event, DisplayEvent | ResultEvent):
             results.append(result_of(event))
     return results

@@ -299,7 +299,9 @@ class ToolResult:
 # in g" (Plain, Minimal), and the stdlib's 'File "/x.py", line 12, in g'.
 _FRAME = re.compile(r"^\s*(?:Cell In\[\d+\]|File \S|Input In \[\d+\])")
 # The user's own code: cells, and files in the sandbox's workspace.
-_USER_FRAME = re.compile(r"^\s*(?:Cell In\[|Input In \[|File \"?/workspace/|File \"?<ipython-input)")
+_USER_FRAME = re.compile(
+    r"^\s*(?:Cell In\[|Input In \[|File \"?/workspace/|File \"?<ipython-input)"
+)
 _CURRENT_LINE = re.compile(r"^\s*-*>")  # Context/Verbose mark the running line with an arrow
 _SECTION_END = re.compile(
     r"^(?:The above exception was the direct cause|During handling of the above exception)"

@@ -94,7 +94,15 @@ from kernelhub.wire import (
     SnapshotInfo,
 )
 
-__all__ = ["DEFAULT_URL", "TOKEN_ENV", "URL_ENV", "AsyncHub", "AsyncSession", "FileInfo", "batch_item"]
+__all__ = [
+    "DEFAULT_URL",
+    "TOKEN_ENV",
+    "URL_ENV",
+    "AsyncHub",
+    "AsyncSession",
+    "FileInfo",
+    "batch_item",
+]
 
 URL_ENV = "KERNELHUB_URL"
 TOKEN_ENV = "KERNELHUB_TOKEN"
@@ -709,7 +717,9 @@ class AsyncSession:
     async def snapshot(self) -> SnapshotInfo:
         """Capture the variables and /workspace files (inside the sandbox); returns what
         was saved and, by name with the reason, what was not."""
-        response = await self.hub._request("POST", f"/v1/sessions/{quote(self.id, safe='')}/snapshots")
+        response = await self.hub._request(
+            "POST", f"/v1/sessions/{quote(self.id, safe='')}/snapshots"
+        )
         return _parse(SnapshotInfo, response)
 
     async def rewind(self, before_cell: int) -> RewindReport:
@@ -872,7 +882,9 @@ class AsyncSession:
 
     async def download_to(self, path: str, file: _Writable) -> int:
         """Stream a file from the workspace into ``file`` (sync or async); returns its size."""
-        response = await self.hub._request("GET", self._file_path(path), replay_safe=True, stream=True)
+        response = await self.hub._request(
+            "GET", self._file_path(path), replay_safe=True, stream=True
+        )
         size = 0
         try:
             async for chunk in response.aiter_bytes(_CHUNK_BYTES):

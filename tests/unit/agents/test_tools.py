@@ -356,7 +356,10 @@ def test_trim_traceback_context_mode_keeps_only_the_current_lines() -> None:
         "-> 3823     raise KeyError(key) from err",
         "KeyError: 'missing'",
     ]
-    assert trim_traceback(["no frames here", "ValueError: x"]) == ["no frames here", "ValueError: x"]
+    assert trim_traceback(["no frames here", "ValueError: x"]) == [
+        "no frames here",
+        "ValueError: x",
+    ]
 
 
 def test_summarize_error_of_a_library_error_names_the_users_line() -> None:
@@ -365,7 +368,9 @@ def test_summarize_error_of_a_library_error_names_the_users_line() -> None:
     assert summary.splitlines()[0] == "KeyError: 'missing'"
     assert "Cell In[1], line 3" in summary and "----> 2     return d['missing']" in summary
     assert "frame.py" not in summary and "… 1 library frame …" in summary
-    assert summary.endswith("KeyError: 'missing'") and "\x1b" not in summary and "-----" not in summary
+    assert (
+        summary.endswith("KeyError: 'missing'") and "\x1b" not in summary and "-----" not in summary
+    )
     # Short of room, the first user frame still comes ahead of the end.
     tight = summarize_error(error, traceback_lines=6).splitlines()
     assert tight[1].startswith("… ") and tight[2:4] == ["Cell In[1], line 3", "----> 3 f(df)"]
