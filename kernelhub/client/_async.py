@@ -1,9 +1,11 @@
 """The async SDK: :class:`AsyncHub` (one gateway) and :class:`AsyncSession` (one kernel).
 
-REST goes through one ``httpx.AsyncClient`` and one request loop (:meth:`AsyncHub._send`),
-which is also the one place HTTP errors become exceptions. Live output goes over the
-session's WebSocket stream (:class:`_EventStream`), which reconnects on its own and resumes
-with ``since=<last seq seen>``, so a caller sees every event exactly once, in order.
+REST goes through one ``httpx.AsyncClient`` and one request loop (:meth:`AsyncHub._request`),
+which is also the one place HTTP errors become exceptions; the hub and the sessions it gave
+out share that pool, and it closes when the hub is closed and none of them is left. Live
+output goes over the session's WebSocket stream (:class:`~kernelhub.client._stream.EventStream`),
+which reconnects on its own and resumes with ``since=<last seq seen>``, so a caller sees
+every event exactly once, in order.
 
 No background tasks: every socket and request belongs to the call that opened it.
 """
@@ -17,8 +19,6 @@ import inspect
 import json
 import logging
 import os
-import random
-import time
 import uuid
 import weakref
 from collections.abc import (
@@ -30,22 +30,17 @@ from collections.abc import (
     Iterable,
     Mapping,
 )
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from types import TracebackType
 from typing import Any, Protocol, Self, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 import pydantic
-from pydantic import BaseModel, TypeAdapter
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+from pydantic import BaseModel
 
 from kernelhub import __version__
+from kernelhub.client._stream import MAX_RETRY_WAIT, EventStream, backoff, http_error
 from kernelhub.client.errors import (
-    CLOSE_CODES,
     ApiError,
     ClientError,
     GatewayUnreachableError,
@@ -53,7 +48,6 @@ from kernelhub.client.errors import (
     ProtocolError,
     RateLimitedError,
     SessionEndedError,
-    StreamLostError,
     api_error,
 )
 from kernelhub.models import (
@@ -68,26 +62,20 @@ from kernelhub.models import (
     result_of,
 )
 from kernelhub.wire import (
-    PROTOCOL_VERSION,
     AcceptedFrame,
     BatchCreate,
     BatchInfo,
     BatchItemIn,
     BatchList,
     BatchState,
-    ErrorBody,
     ErrorFrame,
     EventFrame,
     ExecuteFrame,
     ExecutionCreate,
     ExecutionInfo,
-    HelloFrame,
     InputReplyFrame,
-    InterruptFrame,
     LimitsIn,
-    PingFrame,
     RewindReport,
-    ServerFrame,
     SessionCreate,
     SessionInfo,
     SessionList,
@@ -124,12 +112,7 @@ ResultCallback = Callable[[Result], object]
 log = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 64 * 1024
-_MAX_FRAME_BYTES = 64 * 2**20  # one event; images in display data can be large
-_MAX_RETRY_WAIT = 60.0  # a Retry-After longer than this is handed to the caller
-_STABLE_CONNECTION = 10.0  # a socket that lived this long resets the reconnect budget
 _POLL_INTERVAL_MAX = 1.0
-_SERVER_FRAME: TypeAdapter[ServerFrame] = TypeAdapter(ServerFrame)
-_ClientFrame = ExecuteFrame | InterruptFrame | InputReplyFrame | PingFrame
 
 
 class FileInfo(BaseModel):
@@ -173,60 +156,6 @@ async def _call(fn: Callable[..., Any], *args: Any) -> Any:
     if inspect.isawaitable(result):
         result = await result
     return result
-
-
-def _backoff(attempt: int) -> float:
-    """Seconds before retry ``attempt`` (1-based): 0.25, 0.5, 1, 2, 4, 4 ... with jitter."""
-    return min(0.25 * 2.0 ** (attempt - 1), 4.0) * random.uniform(0.5, 1.0)
-
-
-# -- the one place a refusal becomes an exception --------------------------------------
-
-
-def _retry_after(headers: httpx.Headers | Headers) -> float | None:
-    """``Retry-After`` in seconds: either delta-seconds or an HTTP date."""
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - datetime.now(UTC)).total_seconds())
-
-
-def _http_error(status: int, headers: httpx.Headers | Headers, body: bytes) -> ApiError:
-    """An HTTP error answer (REST, or a refused WebSocket handshake) as an exception."""
-    try:
-        parsed = ErrorBody.model_validate_json(body)
-        error, message, detail = parsed.error, parsed.message, parsed.detail
-    except pydantic.ValidationError:
-        text = body.decode("utf-8", "replace").strip()[:500]
-        error, message, detail = f"http_{status}", text or "no error body", None
-    return api_error(status, error, message, detail, retry_after=_retry_after(headers))
-
-
-def _close_error(exc: ConnectionClosed, session_id: str) -> ClientError | None:
-    """The exception a WebSocket close stands for, or None if reconnecting may help."""
-    close = exc.rcvd or exc.sent
-    code = close.code if close is not None else 1006
-    reason = close.reason if close is not None else ""
-    if code in CLOSE_CODES:
-        status, kind = CLOSE_CODES[code]
-        return api_error(status, kind, f"session {session_id}: {reason or f'closed with {code}'}")
-    if code in (1002, 1003, 1007, 1009, 1010):
-        return ProtocolError(
-            f"the event stream of session {session_id} closed with {code} ({reason or 'no reason'}): "
-            f"a frame broke the protocol or exceeded {_MAX_FRAME_BYTES} bytes; "
-            "check that the SDK and gateway versions match"
-        )
-    return None
 
 
 def _parse(model: type[M], response: httpx.Response) -> M:
@@ -527,7 +456,7 @@ class AsyncHub:
                 )
                 if attempt < retries and (unsent or replay_safe):
                     attempt += 1
-                    await asyncio.sleep(_backoff(attempt))
+                    await asyncio.sleep(backoff(attempt))
                     continue
                 maybe = "" if unsent else " (the gateway may have carried it out)"
                 raise GatewayUnreachableError(
@@ -539,7 +468,7 @@ class AsyncHub:
             if stream:
                 await response.aread()
                 await response.aclose()
-            error = _http_error(response.status_code, response.headers, response.content)
+            error = http_error(response.status_code, response.headers, response.content)
             if error.status == 401 and not self._has_token:
                 error.add_note(f"no token was given: pass token= or set {TOKEN_ENV}")
             delay = self._retry_delay(error, attempt + 1, replay_safe)
@@ -555,11 +484,16 @@ class AsyncHub:
         if error.status in (429, 503) or (replay_safe and error.status in (502, 504)):
             after = error.retry_after if isinstance(error, RateLimitedError) else None
             if after is None:
-                return _backoff(attempt)
-            return after if after <= _MAX_RETRY_WAIT else None
+                return backoff(attempt)
+            return after if after <= MAX_RETRY_WAIT else None
         return None
 
-    def _ws_url(self, session_id: str, since: int) -> str:
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request and WebSocket handshake carries (the token, the SDK)."""
+        return self._headers
+
+    def ws_url(self, session_id: str, since: int) -> str:
         parts = urlsplit(self.base_url)
         scheme = "wss" if parts.scheme == "https" else "ws"
         path = f"{parts.path}/v1/sessions/{quote(session_id, safe='')}/stream"
@@ -772,7 +706,7 @@ class AsyncSession:
         deleted or ends. Close it when done:
         ``async with contextlib.aclosing(session.events()) as it: async for event in it``.
         """
-        async with _EventStream(self.hub, self.id, since) as stream:
+        async with EventStream(self.hub, self.id, since) as stream:
             while True:
                 try:
                     frame = await stream.receive()
@@ -804,7 +738,7 @@ class AsyncSession:
             idempotency_key=key,
             request_id=request_id,
         )
-        async with _EventStream(self.hub, self.id, since=self._last_seq) as stream:
+        async with EventStream(self.hub, self.id, since=self._last_seq) as stream:
             await stream.open()
             floor = stream.first_hello_seq  # every event up to here predates this request
             await stream.send(execute)
@@ -948,7 +882,7 @@ class _Callbacks:
         if self.on_start is not None:
             await _call(self.on_start, execution_id)
 
-    async def dispatch(self, event: Event, stream: _EventStream | None, execution_id: str) -> None:
+    async def dispatch(self, event: Event, stream: EventStream | None, execution_id: str) -> None:
         if self.on_event is not None:
             await _call(self.on_event, event)
         if isinstance(event, ResultEvent) or (isinstance(event, DisplayEvent) and not event.update):
@@ -970,202 +904,3 @@ class _Callbacks:
             assert reply.request_id is not None
             self.reply_ids.add(reply.request_id)
             await stream.send(reply)
-
-
-# -- the event stream ------------------------------------------------------------------
-
-
-class _EventStream:
-    """One session's events over as many WebSocket connections as it takes.
-
-    Calling contract: one task calls :meth:`open` (optional), then :meth:`receive`
-    repeatedly, :meth:`send` in between, and :meth:`aclose` at the end (``async with``).
-    :meth:`receive` returns each event frame once, in ``seq`` order, and the answers to
-    requests (accepted, error, pong). When the socket drops or the gateway closes it as too
-    slow (4408), it reconnects with ``since=<last seq returned>`` and drops replayed
-    duplicates, so nothing is lost or repeated. Execute frames not yet answered are re-sent
-    after a reconnect (they carry an idempotency key, so the gateway runs them once); other
-    frames are re-sent only if they could not be written. Gives up with
-    :class:`StreamLostError` after ``hub.max_reconnects`` reconnects in a row that brought
-    no new event; closes that mean "no" (4401, 4404, 4410) raise their :class:`ApiError`.
-    """
-
-    def __init__(self, hub: AsyncHub, session_id: str, since: int) -> None:
-        self.hub = hub
-        self.session_id = session_id
-        self.last_seq = since
-        self.first_hello_seq = since
-        self._ws: ClientConnection | None = None
-        self.ever_connected = False
-        self._unanswered: dict[str, ExecuteFrame] = {}
-        self._outbox: list[_ClientFrame] = []
-        self._failures = 0
-        self._connected_at = 0.0
-        self._last_error: BaseException | None = None
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        ws, self._ws = self._ws, None
-        if ws is not None:
-            await ws.close()
-
-    async def open(self) -> None:
-        if self._ws is None:
-            await self._reconnect()
-
-    async def send(self, frame: _ClientFrame) -> None:
-        if isinstance(frame, ExecuteFrame) and frame.request_id is not None:
-            self._unanswered[frame.request_id] = frame
-        if self._ws is not None:
-            try:
-                await self._ws.send(frame.model_dump_json(exclude_none=True))
-                return
-            except ConnectionClosed:
-                pass  # receive() sees the close and reconnects
-        if not isinstance(frame, ExecuteFrame):
-            self._outbox.append(frame)
-
-    async def receive(self) -> ServerFrame:
-        while True:
-            if self._ws is None:
-                await self._reconnect()
-            assert self._ws is not None
-            try:
-                raw = await self._ws.recv()
-            except ConnectionClosed as exc:
-                self._dropped(exc)
-                continue
-            frame = self._parse(raw)
-            if isinstance(frame, EventFrame):
-                if frame.event.seq <= self.last_seq:
-                    continue  # a replayed duplicate
-                self.last_seq = frame.event.seq
-                self._failures = 0
-                return frame
-            if isinstance(frame, HelloFrame):
-                continue  # only the first frame of a connection is meaningful as hello
-            if isinstance(frame, AcceptedFrame | ErrorFrame) and frame.request_id is not None:
-                self._unanswered.pop(frame.request_id, None)
-            return frame
-
-    def _parse(self, raw: str | bytes) -> ServerFrame:
-        try:
-            return _SERVER_FRAME.validate_json(raw)
-        except pydantic.ValidationError as exc:
-            raise ProtocolError(
-                f"session {self.session_id}'s stream sent a frame this SDK cannot read "
-                f"({exc.errors()[:2]}): {raw[:200]!r}; check that the SDK and gateway versions match"
-            ) from exc
-
-    def _dropped(self, exc: ConnectionClosed) -> None:
-        self._ws = None
-        error = _close_error(exc, self.session_id)
-        if error is not None:
-            raise error from exc
-        self._last_error = exc
-
-    async def _reconnect(self) -> None:
-        if self._connected_at and time.monotonic() - self._connected_at > _STABLE_CONNECTION:
-            self._failures = 0
-        while True:
-            self._failures += 1
-            if self._failures > self.hub.max_reconnects + 1:
-                raise StreamLostError(
-                    f"lost the event stream of session {self.session_id}: "
-                    f"{self._failures - 1} connection attempts in a row brought nothing new "
-                    f"(last: {self._last_error!r}); every event up to seq {self.last_seq} was "
-                    f"delivered — resume with session.events(since={self.last_seq}), or raise "
-                    "Hub(max_reconnects=...)",
-                    last_seq=self.last_seq,
-                ) from self._last_error
-            retry_after = (
-                self._last_error.retry_after
-                if isinstance(self._last_error, RateLimitedError)
-                else None
-            )
-            if retry_after is not None:
-                await asyncio.sleep(min(retry_after, _MAX_RETRY_WAIT))
-            elif self._failures > 1:
-                await asyncio.sleep(_backoff(self._failures - 1))
-            try:
-                await self._connect()
-                return
-            except _Retry as exc:
-                self._last_error = exc.error
-            except (OSError, TimeoutError, WebSocketException) as exc:
-                self._last_error = exc
-
-    async def _connect(self) -> None:
-        """One attempt. Raises :class:`_Retry`, ``OSError``, ``TimeoutError`` or a websockets
-        error when another attempt may help; any other exception ends the stream."""
-        url = self.hub._ws_url(self.session_id, self.last_seq)
-        try:
-            ws = await connect(
-                url,
-                additional_headers=self.hub._headers,
-                user_agent_header=None,
-                open_timeout=self.hub.timeout,
-                max_size=_MAX_FRAME_BYTES,
-            )
-        except InvalidStatus as exc:
-            response = exc.response
-            error = _http_error(response.status_code, response.headers, bytes(response.body))
-            if error.status in (429, 502, 503, 504):
-                raise _Retry(error) from exc
-            raise error from exc
-        try:
-            async with asyncio.timeout(self.hub.timeout):
-                raw = await ws.recv()
-        except ConnectionClosed as exc:
-            refusal = _close_error(exc, self.session_id)
-            if refusal is not None:
-                raise refusal from exc
-            raise
-        except BaseException:
-            await ws.close()
-            raise
-        hello = self._parse(raw)
-        problem = None
-        if not isinstance(hello, HelloFrame):
-            problem = f"the first frame was {hello.type!r}, not 'hello'"
-        elif hello.protocol != PROTOCOL_VERSION:
-            problem = (
-                f"the gateway speaks protocol {hello.protocol}, this SDK speaks "
-                f"{PROTOCOL_VERSION}; install the kernelhub version that matches the gateway"
-            )
-        elif hello.last_seq < self.last_seq:
-            problem = (
-                f"the gateway's last seq is {hello.last_seq} but this client already saw "
-                f"seq {self.last_seq}; the gateway lost events (was its store reset?)"
-            )
-        if problem is not None:
-            await ws.close()
-            raise ProtocolError(f"session {self.session_id}: {problem}")
-        assert isinstance(hello, HelloFrame)
-        if not self.ever_connected:
-            self.ever_connected = True
-            self.first_hello_seq = hello.last_seq
-        self._ws = ws
-        self._connected_at = time.monotonic()
-        pending = [*self._unanswered.values(), *self._outbox]
-        self._outbox.clear()
-        for frame in pending:
-            await self.send(frame)
-
-
-class _Retry(Exception):
-    """A refused handshake worth another attempt (429, 502-504)."""
-
-    def __init__(self, error: ApiError) -> None:
-        super().__init__(str(error))
-        self.error = error

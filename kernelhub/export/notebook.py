@@ -226,7 +226,7 @@ def _cell(
                     "output_type": "error",
                     "ename": event.error.name,
                     "evalue": event.error.value,
-                    "traceback": list(event.error.traceback),
+                    "traceback": list(event.error.traceback_ansi or event.error.traceback),
                 }
             )
         elif isinstance(event, ClearOutputEvent):

@@ -1016,7 +1016,7 @@ async def test_a_refused_handshake_is_mapped_and_503_retried(
 def test_every_close_code_of_the_protocol_is_classified() -> None:
     from websockets.frames import Close
 
-    from kernelhub.client._async import _close_error
+    from kernelhub.client._stream import close_error as _close_error
     from kernelhub.wire import CloseCode
 
     def close(code: int) -> ConnectionClosed:
@@ -1033,7 +1033,7 @@ def test_every_close_code_of_the_protocol_is_classified() -> None:
 
 
 def test_retry_after_parses_from_websocket_headers_too() -> None:
-    from kernelhub.client._async import _http_error
+    from kernelhub.client._stream import http_error as _http_error
 
     error = _http_error(
         429, Headers({"Retry-After": "3"}), b'{"error": "rate_limited", "message": "x"}'
