@@ -238,6 +238,19 @@ Event = Annotated[
 OutputEvent = StreamEvent | DisplayEvent | ResultEvent | ErrorEvent | ClearOutputEvent
 
 
+class _Mime:
+    """A :class:`Result` shortcut: that MIME type's text (joined if sent as lines), or None."""
+
+    def __init__(self, mime: str) -> None:
+        self.mime = mime
+
+    def __get__(self, result: Result, owner: type[Result]) -> str | None:
+        value = result.data.get(self.mime)
+        if isinstance(value, list) and all(isinstance(part, str) for part in value):
+            return "".join(value)
+        return value if isinstance(value, str) else None
+
+
 @dataclass(frozen=True)
 class Result:
     """One rich output of a cell: a ``display()`` or the value of its last expression
@@ -250,47 +263,15 @@ class Result:
     display_id: str | None = None
     execution_count: int | None = None
 
-    def _text(self, mime: str) -> str | None:
-        value = self.data.get(mime)
-        if isinstance(value, list) and all(isinstance(part, str) for part in value):
-            return "".join(value)
-        return value if isinstance(value, str) else None
-
-    @property
-    def text(self) -> str | None:
-        return self._text("text/plain")
-
-    @property
-    def html(self) -> str | None:
-        return self._text("text/html")
-
-    @property
-    def markdown(self) -> str | None:
-        return self._text("text/markdown")
-
-    @property
-    def svg(self) -> str | None:
-        return self._text("image/svg+xml")
-
-    @property
-    def png(self) -> str | None:
-        return self._text("image/png")
-
-    @property
-    def jpeg(self) -> str | None:
-        return self._text("image/jpeg")
-
-    @property
-    def pdf(self) -> str | None:
-        return self._text("application/pdf")
-
-    @property
-    def latex(self) -> str | None:
-        return self._text("text/latex")
-
-    @property
-    def javascript(self) -> str | None:
-        return self._text("application/javascript")
+    text = _Mime("text/plain")
+    html = _Mime("text/html")
+    markdown = _Mime("text/markdown")
+    latex = _Mime("text/latex")
+    svg = _Mime("image/svg+xml")
+    png = _Mime("image/png")
+    jpeg = _Mime("image/jpeg")
+    pdf = _Mime("application/pdf")
+    javascript = _Mime("application/javascript")
 
     @property
     def json(self) -> Any:
@@ -300,6 +281,10 @@ class Result:
     def formats(self) -> list[str]:
         """The MIME types this result has, as the kernel listed them."""
         return list(self.data)
+
+    def __repr__(self) -> str:  # the data can be megabytes of base64
+        main = ", is_main_result=True" if self.is_main_result else ""
+        return f"Result(formats={self.formats()!r}{main})"
 
 
 def result_of(event: DisplayEvent | ResultEvent) -> Result:
