@@ -6,11 +6,21 @@ a :class:`CellError` inside an event or record — never an exception.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# CSI (colours, cursor moves), OSC (titles, links) and the two-byte escapes.
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+
+
+def strip_ansi(text: str) -> str:
+    """Remove terminal escape sequences (colours, cursor moves, OSC titles/links)."""
+    return _ANSI.sub("", text)
 
 
 class ExecutionStatus(StrEnum):
@@ -54,13 +64,42 @@ class EndedBy(StrEnum):
 
 
 class CellError(BaseModel):
-    """An exception raised by user code: data, never raised by kernelhub."""
+    """An exception raised by user code: data, never raised by kernelhub.
+
+    ``traceback`` is plain text, for models, logs and people reading it anywhere;
+    ``traceback_ansi`` the same lines as the kernel coloured them, for a terminal or a
+    notebook. Each item is one of the kernel's traceback parts (a frame may span several
+    lines); ``traceback_text`` is all of it as one string. Given only ``traceback`` (as the
+    kernel sends it, or as records stored before both existed), the other is derived.
+    """
 
     model_config = ConfigDict(frozen=True)
 
     name: str
     value: str
-    traceback: list[str] = Field(default_factory=list)
+    traceback: list[str] = Field(default_factory=list, description="plain text, no ANSI")
+    traceback_ansi: list[str] = Field(
+        default_factory=list, description="as the kernel coloured it (ANSI escapes)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _both_forms(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "traceback_ansi" in data:
+            if "traceback" in data or not isinstance(data["traceback_ansi"], list):
+                return data
+            return {**data, "traceback": [strip_ansi(str(x)) for x in data["traceback_ansi"]]}
+        lines = data.get("traceback")
+        if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
+            return data
+        return {**data, "traceback": [strip_ansi(line) for line in lines], "traceback_ansi": lines}
+
+    @property
+    def traceback_text(self) -> str:
+        """The plain traceback as one string (ends with ``name: value``)."""
+        return "\n".join(self.traceback) or f"{self.name}: {self.value}"
 
 
 # A cell's state changes (and its last words: its value or exception), as opposed to its
@@ -205,13 +244,118 @@ Event = Annotated[
 OutputEvent = StreamEvent | DisplayEvent | ResultEvent | ErrorEvent | ClearOutputEvent
 
 
+class _Mime:
+    """A :class:`Result` shortcut: that MIME type's text (joined if sent as lines), or None."""
+
+    def __init__(self, mime: str) -> None:
+        self.mime = mime
+
+    def __get__(self, result: Result, owner: type[Result]) -> str | None:
+        value = result.data.get(self.mime)
+        if isinstance(value, list) and all(isinstance(part, str) for part in value):
+            return "".join(value)
+        return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class Result:
+    """One rich output of a cell: a ``display()`` or the value of its last expression
+    (``is_main_result``), the shape e2b's ``run_code`` results have. Each shortcut is that
+    MIME type of :attr:`data` or None; images are base64 text, as Jupyter sends them."""
+
+    data: dict[str, Any]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    is_main_result: bool = False
+    display_id: str | None = None
+    execution_count: int | None = None
+
+    text = _Mime("text/plain")
+    html = _Mime("text/html")
+    markdown = _Mime("text/markdown")
+    latex = _Mime("text/latex")
+    svg = _Mime("image/svg+xml")
+    png = _Mime("image/png")
+    jpeg = _Mime("image/jpeg")
+    pdf = _Mime("application/pdf")
+    javascript = _Mime("application/javascript")
+
+    @property
+    def json(self) -> Any:
+        """``application/json``: the decoded value, as Jupyter sends it (not a string)."""
+        return self.data.get("application/json")
+
+    def formats(self) -> list[str]:
+        """The MIME types this result has, as the kernel listed them."""
+        return list(self.data)
+
+    def __repr__(self) -> str:  # the data can be megabytes of base64
+        main = ", is_main_result=True" if self.is_main_result else ""
+        return f"Result(formats={self.formats()!r}{main})"
+
+
+def result_of(event: DisplayEvent | ResultEvent) -> Result:
+    """The :class:`Result` one display or execute-result event stands for."""
+    if isinstance(event, ResultEvent):
+        return Result(
+            dict(event.data),
+            dict(event.metadata),
+            is_main_result=True,
+            execution_count=event.execution_count,
+        )
+    return Result(dict(event.data), dict(event.metadata), display_id=event.display_id)
+
+
+def results_of(events: list[Event]) -> list[Result]:
+    """The cell's rich outputs as a front end would leave them: an update replaces the
+    data of the display with its id, ``clear_output`` drops what came before (with
+    ``wait``, once the next output arrives)."""
+    results: list[Result] = []
+    clear_pending = False
+    for event in events:
+        if isinstance(event, ClearOutputEvent):
+            if event.wait:
+                clear_pending = True
+            else:
+                results.clear()
+            continue
+        if isinstance(event, DisplayEvent) and event.update:
+            results = [
+                Result(dict(event.data), dict(event.metadata), r.is_main_result, r.display_id)
+                if r.display_id is not None and r.display_id == event.display_id
+                else r
+                for r in results
+            ]
+            continue
+        if clear_pending and isinstance(
+            event, StreamEvent | ErrorEvent | DisplayEvent | ResultEvent
+        ):
+            results.clear()
+            clear_pending = False
+        if isinstance(event, DisplayEvent | ResultEvent):
+            results.append(result_of(event))
+    return results
+
+
 class Execution(BaseModel):
-    """A finished execution: its record and everything it produced, in order."""
+    """A finished execution: its record and everything it produced, in order.
+
+    :attr:`results` are its rich outputs (``execution.results[0].png``), :attr:`events`
+    everything, typed; :attr:`id` is what :meth:`~kernelhub.client.AsyncSession.interrupt`
+    and the REST routes take."""
 
     model_config = ConfigDict(frozen=True)
 
     record: ExecutionRecord
     events: list[Event]
+
+    @property
+    def id(self) -> str:
+        return self.record.execution_id
+
+    @property
+    def results(self) -> list[Result]:
+        """One :class:`Result` per display and for the last expression's value, in order."""
+        return results_of(self.events)
 
     @property
     def status(self) -> ExecutionStatus:

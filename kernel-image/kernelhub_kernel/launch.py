@@ -59,12 +59,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = Config()
     patches.stream_output_live(config, flush_interval)
     patches.disable_history(config)
+    patches.plain_tracebacks(config)
     # What IPKernelApp.launch_instance() does, with our hooks between init and start.
     app = IPKernelApp.instance(config=config)
     app.initialize(None if argv is None else list(argv))
     streams = [s for s in (sys.stdout, sys.stderr) if isinstance(s, patches.SandboxOutStream)]
     patches.deliver_fd_output_in_its_cell(app.shell, streams)
     patches.stop_output_history(app.shell)
+    patches.warm_tracebacks(app.shell)
     app.start()
 
 

@@ -12,10 +12,12 @@ adapter between a model's tool call and an :class:`~kernelhub.client.AsyncSessio
 - The result is ready for a model's context: text bounded by a character budget (head and
   tail kept, an explicit ``… [truncated N characters]`` marker between), PNG/JPEG displays
   as image attachments (capped in number), a failing cell summarized as
-  ``ename: evalue`` plus the tail of its traceback with ANSI colours removed.
+  ``ename: evalue`` plus its plain traceback trimmed for a reader (:func:`trim_traceback`):
+  the user's own frames (``Cell In[1], line 3``) and every exception line are kept, the
+  library frames between them become one ``… N library frames …`` line.
 
-The text shaping (:func:`truncate`, :func:`strip_ansi`, :func:`summarize_error`,
-:func:`render_execution`) is pure and tested with data.
+The text shaping (:func:`truncate`, :func:`strip_ansi`, :func:`trim_traceback`,
+:func:`summarize_error`, :func:`render_execution`) is pure and tested with data.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from kernelhub.models import (
     ExecutionStatus,
     ResultEvent,
     TruncatedEvent,
+    strip_ansi,
 )
 from kernelhub.wire import SnapshotInfo
 
@@ -67,12 +70,14 @@ __all__ = [
     "render_execution",
     "strip_ansi",
     "summarize_error",
+    "trim_traceback",
     "truncate",
 ]
 
 DEFAULT_MAX_CHARS = 8000
 DEFAULT_MAX_IMAGES = 4
 DEFAULT_TRACEBACK_LINES = 15
+_RULE = re.compile(r"^-{20,}$")  # IPython's separator above a Context-mode traceback
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 
 
@@ -289,12 +294,72 @@ class ToolResult:
 
 # -- pure text shaping ---------------------------------------------------------------------
 
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+# A frame's first line, in every IPython traceback mode: "Cell In[3], line 2, in f" /
+# "File /x.py:12, in g()" (Context, Verbose) or "  Cell In[3], line 2 in f" / "  File /x.py:12
+# in g" (Plain, Minimal), and the stdlib's 'File "/x.py", line 12, in g'.
+_FRAME = re.compile(r"^\s*(?:Cell In\[\d+\]|File \S|Input In \[\d+\])")
+# The user's own code: cells, and files in the sandbox's workspace.
+_USER_FRAME = re.compile(
+    r"^\s*(?:Cell In\[|Input In \[|File \"?/workspace/|File \"?<ipython-input)"
+)
+_CURRENT_LINE = re.compile(r"^\s*-*>")  # Context/Verbose mark the running line with an arrow
+_SECTION_END = re.compile(
+    r"^(?:The above exception was the direct cause|During handling of the above exception)"
+)
 
 
-def strip_ansi(text: str) -> str:
-    """Remove terminal escape sequences (colours, cursor moves, OSC titles/links)."""
-    return _ANSI.sub("", text)
+def trim_traceback(lines: list[str]) -> list[str]:
+    """A plain traceback (one line per item) cut down for a reader with little room.
+
+    Each chained traceback keeps its headers, every frame of the user's own code with only
+    its current line, its last frame (where it was raised) and the exception lines; a run
+    of library frames in between becomes ``… N library frames …``. Lines that are not
+    frames (the exception, chain separators, notes) are kept as they are."""
+    out: list[str] = []
+    sections: list[list[str]] = [[]]
+    for line in lines:
+        sections[-1].append(line)
+        if _SECTION_END.match(line):
+            sections.append([])
+    for section in sections:
+        out.extend(_trim_section(section))
+    return out
+
+
+def _trim_section(lines: list[str]) -> list[str]:
+    # Split into: text before the first frame, frames (header + body), text after them.
+    head: list[str] = []
+    frames: list[list[str]] = []
+    for line in lines:
+        if _FRAME.match(line):
+            frames.append([line])
+        elif frames and (line.startswith(" ") or not line.strip() or _CURRENT_LINE.match(line)):
+            frames[-1].append(line)
+        elif frames:
+            break
+        else:
+            head.append(line)
+    consumed = len(head) + sum(len(f) for f in frames)
+    tail = lines[consumed:]
+    out = list(head)
+    dropped = 0
+    for index, frame in enumerate(frames):
+        last = index == len(frames) - 1
+        if not last and not _USER_FRAME.match(frame[0]):
+            dropped += 1
+            continue
+        if dropped:
+            out.append(f"… {dropped} library frame{'s' if dropped > 1 else ''} …")
+            dropped = 0
+        out.extend(_frame_essentials(frame))
+    return out + tail
+
+
+def _frame_essentials(frame: list[str]) -> list[str]:
+    """A frame's header and its current line (the arrowed one, or Plain mode's one line)."""
+    body = [line for line in frame[1:] if line.strip()]
+    current = [line for line in body if _CURRENT_LINE.match(line)]
+    return [frame[0], *(current or body[:1])]
 
 
 def truncate(text: str, max_chars: int) -> str:
@@ -315,16 +380,25 @@ def truncate(text: str, max_chars: int) -> str:
 
 
 def summarize_error(error: CellError, traceback_lines: int = DEFAULT_TRACEBACK_LINES) -> str:
-    """``ename: evalue`` and the last ``traceback_lines`` lines of the traceback, uncoloured."""
-    lines = strip_ansi("\n".join(error.traceback)).splitlines()
-    lines = [line.rstrip() for line in lines if line.strip()]
+    """``ename: evalue`` and the traceback, uncoloured and trimmed (:func:`trim_traceback`);
+    if that is still over ``traceback_lines`` lines, its first user frame and its end."""
+    lines = trim_traceback(strip_ansi("\n".join(error.traceback)).splitlines())
+    lines = [line.rstrip() for line in lines if line.strip() and not _RULE.match(line)]
     head = f"{error.name}: {strip_ansi(error.value)}"
     if not lines:
         return head
-    tail = lines[-traceback_lines:]
-    skipped = len(lines) - len(tail)
-    more = f" ({skipped} earlier lines omitted)" if skipped else ""
-    return f"{head}\nTraceback (most recent call last){more}:\n" + "\n".join(tail)
+    if len(lines) <= traceback_lines:
+        return f"{head}\n" + "\n".join(lines)
+    # The user's own frame says where to look: keep the first one (header and line) ahead
+    # of the tail, which ends with the exception.
+    first = next((i for i, line in enumerate(lines) if _USER_FRAME.match(line)), None)
+    keep_head = lines[first : first + 2] if first is not None and traceback_lines > 4 else []
+    tail = lines[-(traceback_lines - len(keep_head)) :]
+    if keep_head and lines.index(keep_head[0]) >= len(lines) - len(tail):
+        keep_head = []  # already in the tail
+        tail = lines[-traceback_lines:]
+    skipped = len(lines) - len(tail) - len(keep_head)
+    return f"{head}\n… {skipped} traceback lines omitted …\n" + "\n".join([*keep_head, *tail])
 
 
 def _share(parts: list[str], budget: int) -> list[str]:

@@ -4,10 +4,11 @@ Needs only the base install (pydantic, httpx, websockets)::
 
     from kernelhub.client import Hub
 
-    with Hub("http://127.0.0.1:8000", token) as hub, hub.create_session() as session:
+    with Hub() as hub, hub.create_session() as session:  # KERNELHUB_URL, KERNELHUB_TOKEN
         session.run("x = 1")
         execution = session.run("print(x + 1)", on_stdout=print)
         assert execution.stdout == "2\\n" and execution.error is None
+        png = session.run("plt.plot([1, 2]); plt.show()").results[0].png  # base64
 
 :class:`AsyncHub` / :class:`AsyncSession` are the async originals; :class:`Hub` /
 :class:`Session` their blocking twins. A failing cell is data (``execution.error``); the
@@ -48,6 +49,7 @@ from kernelhub.models import (
     InputReplyEvent,
     InputRequestEvent,
     NoticeEvent,
+    Result,
     ResultEvent,
     StatusEvent,
     StreamEvent,
@@ -98,6 +100,7 @@ __all__ = [
     "NoticeEvent",
     "ProtocolError",
     "RateLimitedError",
+    "Result",
     "ResultEvent",
     "ServerError",
     "Session",

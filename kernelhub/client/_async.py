@@ -1,9 +1,11 @@
 """The async SDK: :class:`AsyncHub` (one gateway) and :class:`AsyncSession` (one kernel).
 
-REST goes through one ``httpx.AsyncClient`` and one request loop (:meth:`AsyncHub._send`),
-which is also the one place HTTP errors become exceptions. Live output goes over the
-session's WebSocket stream (:class:`_EventStream`), which reconnects on its own and resumes
-with ``since=<last seq seen>``, so a caller sees every event exactly once, in order.
+REST goes through one ``httpx.AsyncClient`` and one request loop (:meth:`AsyncHub._request`),
+which is also the one place HTTP errors become exceptions; the hub and the sessions it gave
+out share that pool, and it closes when the hub is closed and none of them is left. Live
+output goes over the session's WebSocket stream (:class:`~kernelhub.client._stream.EventStream`),
+which reconnects on its own and resumes with ``since=<last seq seen>``, so a caller sees
+every event exactly once, in order.
 
 No background tasks: every socket and request belongs to the call that opened it.
 """
@@ -16,9 +18,9 @@ import contextlib
 import inspect
 import json
 import logging
-import random
-import time
+import os
 import uuid
+import weakref
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -28,22 +30,17 @@ from collections.abc import (
     Iterable,
     Mapping,
 )
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from types import TracebackType
 from typing import Any, Protocol, Self, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 import pydantic
-from pydantic import BaseModel, TypeAdapter
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+from pydantic import BaseModel
 
 from kernelhub import __version__
+from kernelhub.client._stream import MAX_RETRY_WAIT, EventStream, backoff, http_error
 from kernelhub.client.errors import (
-    CLOSE_CODES,
     ApiError,
     ClientError,
     GatewayUnreachableError,
@@ -51,44 +48,53 @@ from kernelhub.client.errors import (
     ProtocolError,
     RateLimitedError,
     SessionEndedError,
-    StreamLostError,
     api_error,
 )
 from kernelhub.models import (
+    DisplayEvent,
     Event,
     Execution,
     FinalEvent,
     InputRequestEvent,
+    Result,
+    ResultEvent,
     StreamEvent,
+    result_of,
 )
 from kernelhub.wire import (
-    PROTOCOL_VERSION,
     AcceptedFrame,
     BatchCreate,
     BatchInfo,
     BatchItemIn,
     BatchList,
     BatchState,
-    ErrorBody,
     ErrorFrame,
     EventFrame,
     ExecuteFrame,
     ExecutionCreate,
     ExecutionInfo,
-    HelloFrame,
     InputReplyFrame,
-    InterruptFrame,
     LimitsIn,
-    PingFrame,
     RewindReport,
-    ServerFrame,
     SessionCreate,
     SessionInfo,
     SessionList,
     SnapshotInfo,
 )
 
-__all__ = ["AsyncHub", "AsyncSession", "FileInfo", "batch_item"]
+__all__ = [
+    "DEFAULT_URL",
+    "TOKEN_ENV",
+    "URL_ENV",
+    "AsyncHub",
+    "AsyncSession",
+    "FileInfo",
+    "batch_item",
+]
+
+URL_ENV = "KERNELHUB_URL"
+TOKEN_ENV = "KERNELHUB_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8765"  # the gateway's default bind (GatewaySettings.port)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -98,16 +104,15 @@ EventCallback = Callable[[Event], object]
 """Called with every event of the execution, in order; may be async."""
 InputCallback = Callable[[str], "str | Awaitable[str]"]
 """Called with the prompt when the cell calls ``input()``; returns the line to send."""
+StartCallback = Callable[[str], object]
+"""Called with the execution id once the gateway has accepted the cell; may be async."""
+ResultCallback = Callable[[Result], object]
+"""Called with each rich output (a display, the last expression's value); may be async."""
 
 log = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 64 * 1024
-_MAX_FRAME_BYTES = 64 * 2**20  # one event; images in display data can be large
-_MAX_RETRY_WAIT = 60.0  # a Retry-After longer than this is handed to the caller
-_STABLE_CONNECTION = 10.0  # a socket that lived this long resets the reconnect budget
 _POLL_INTERVAL_MAX = 1.0
-_SERVER_FRAME: TypeAdapter[ServerFrame] = TypeAdapter(ServerFrame)
-_ClientFrame = ExecuteFrame | InterruptFrame | InputReplyFrame | PingFrame
 
 
 class FileInfo(BaseModel):
@@ -130,6 +135,17 @@ class _Writable(Protocol):
 UploadData = bytes | bytearray | memoryview | AsyncIterable[bytes] | Iterable[bytes] | _Readable
 
 
+def hub_address(base_url: str | None, token: str | None) -> tuple[str, str | None]:
+    """The gateway URL and token a hub uses: the arguments, else ``KERNELHUB_URL`` /
+    ``KERNELHUB_TOKEN``, else the local default and no token (only ``health`` works then)."""
+    url = base_url if base_url is not None else os.environ.get(URL_ENV) or DEFAULT_URL
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        source = "base_url" if base_url is not None else URL_ENV
+        raise ClientError(f"{source} must look like http://host:port or https://host, got {url!r}")
+    return url, token if token is not None else os.environ.get(TOKEN_ENV) or None
+
+
 def _new_id() -> str:
     return uuid.uuid4().hex
 
@@ -140,60 +156,6 @@ async def _call(fn: Callable[..., Any], *args: Any) -> Any:
     if inspect.isawaitable(result):
         result = await result
     return result
-
-
-def _backoff(attempt: int) -> float:
-    """Seconds before retry ``attempt`` (1-based): 0.25, 0.5, 1, 2, 4, 4 ... with jitter."""
-    return min(0.25 * 2.0 ** (attempt - 1), 4.0) * random.uniform(0.5, 1.0)
-
-
-# -- the one place a refusal becomes an exception --------------------------------------
-
-
-def _retry_after(headers: httpx.Headers | Headers) -> float | None:
-    """``Retry-After`` in seconds: either delta-seconds or an HTTP date."""
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - datetime.now(UTC)).total_seconds())
-
-
-def _http_error(status: int, headers: httpx.Headers | Headers, body: bytes) -> ApiError:
-    """An HTTP error answer (REST, or a refused WebSocket handshake) as an exception."""
-    try:
-        parsed = ErrorBody.model_validate_json(body)
-        error, message, detail = parsed.error, parsed.message, parsed.detail
-    except pydantic.ValidationError:
-        text = body.decode("utf-8", "replace").strip()[:500]
-        error, message, detail = f"http_{status}", text or "no error body", None
-    return api_error(status, error, message, detail, retry_after=_retry_after(headers))
-
-
-def _close_error(exc: ConnectionClosed, session_id: str) -> ClientError | None:
-    """The exception a WebSocket close stands for, or None if reconnecting may help."""
-    close = exc.rcvd or exc.sent
-    code = close.code if close is not None else 1006
-    reason = close.reason if close is not None else ""
-    if code in CLOSE_CODES:
-        status, kind = CLOSE_CODES[code]
-        return api_error(status, kind, f"session {session_id}: {reason or f'closed with {code}'}")
-    if code in (1002, 1003, 1007, 1009, 1010):
-        return ProtocolError(
-            f"the event stream of session {session_id} closed with {code} ({reason or 'no reason'}): "
-            f"a frame broke the protocol or exceeded {_MAX_FRAME_BYTES} bytes; "
-            "check that the SDK and gateway versions match"
-        )
-    return None
 
 
 def _parse(model: type[M], response: httpx.Response) -> M:
@@ -255,6 +217,12 @@ def _to_execution(info: ExecutionInfo) -> Execution:
 class AsyncHub:
     """One kernelhub gateway. ``async with AsyncHub(url, token) as hub: ...``
 
+    ``AsyncHub()`` reads the gateway's address from ``KERNELHUB_URL`` (default
+    ``http://127.0.0.1:8765``) and the token from ``KERNELHUB_TOKEN``.
+
+    Sessions share the hub's connection pool and keep it alive: after :meth:`close` the
+    hub itself refuses ("this Hub is closed"), but a session it gave out goes on working
+    until it is deleted (leaving ``async with session:``), and only then is the pool closed.
     ``timeout`` bounds each HTTP request and WebSocket handshake in seconds (None: no
     limit); a REST ``run`` waits as long as the execution takes, which the gateway bounds
     by the cell timeout. ``max_retries`` re-sends a request that was refused with 429/503,
@@ -266,30 +234,29 @@ class AsyncHub:
 
     def __init__(
         self,
-        base_url: str,
-        token: str,
+        base_url: str | None = None,
+        token: str | None = None,
         *,
         timeout: float | None = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
         max_retries: int = 2,
         max_reconnects: int = 5,
     ) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ClientError(
-                f"base_url must look like http://host:port or https://host, got {base_url!r}"
-            )
+        base_url, token = hub_address(base_url, token)
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.max_retries = max_retries
         self.max_reconnects = max_reconnects
-        self._headers = {
-            "Authorization": f"Bearer {token}",
-            "User-Agent": f"kernelhub-python/{__version__}",
-        }
+        self._has_token = bool(token)
+        self._headers = {"User-Agent": f"kernelhub-python/{__version__}"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
         )
+        self._closed = False
+        # Sessions given out and not yet deleted: each keeps the pool open after close().
+        self._sessions: weakref.WeakSet[AsyncSession] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"AsyncHub({self.base_url!r})"
@@ -305,9 +272,34 @@ class AsyncHub:
     ) -> None:
         await self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
-        """Close the HTTP connection pool. Sessions stay alive on the gateway."""
+        """Close the hub: its own methods then raise "this Hub is closed". Sessions stay
+        alive on the gateway, and a session object it gave out keeps working; the HTTP
+        pool closes when the last of those is deleted. Idempotent."""
+        self._closed = True
+        if not self._sessions:
+            await self._http.aclose()
+
+    async def _release(self, session: AsyncSession) -> None:
+        """``session`` is deleted: it no longer holds the pool open."""
+        self._sessions.discard(session)
+        if self._closed and not self._sessions:
+            await self._http.aclose()
+
+    async def _shutdown(self) -> None:
+        """Close the pool whoever still holds it (the sync Hub's last goodbye)."""
+        self._closed = True
+        self._sessions.clear()
         await self._http.aclose()
+
+    def _adopt(self, info: SessionInfo) -> AsyncSession:
+        session = AsyncSession(self, info)
+        self._sessions.add(session)
+        return session
 
     async def create_session(
         self,
@@ -331,12 +323,12 @@ class AsyncHub:
             "/v1/sessions",
             json=body.model_dump(mode="json", exclude_none=True, exclude_unset=True),
         )
-        return AsyncSession(self, _parse(SessionInfo, response))
+        return self._adopt(_parse(SessionInfo, response))
 
     async def session(self, session_id: str) -> AsyncSession:
         """Attach to an existing session of yours."""
         response = await self._send("GET", f"/v1/sessions/{quote(session_id, safe='')}")
-        return AsyncSession(self, _parse(SessionInfo, response))
+        return self._adopt(_parse(SessionInfo, response))
 
     async def list_sessions(self) -> list[SessionInfo]:
         """Your sessions (only those of this token)."""
@@ -417,7 +409,13 @@ class AsyncHub:
 
     # -- transport ---------------------------------------------------------------------
 
-    async def _send(
+    async def _send(self, method: str, path: str, **options: Any) -> httpx.Response:
+        """A request of the hub's own (not of a session it gave out)."""
+        if self._closed:
+            raise ClientError(f"this Hub is closed; {method} {path} was not sent; create a new Hub")
+        return await self._request(method, path, **options)
+
+    async def _request(
         self,
         method: str,
         path: str,
@@ -435,6 +433,11 @@ class AsyncHub:
         when ``replay_safe``. A streamed body is never retried. With ``stream`` the caller
         owns the returned response and must close it.
         """
+        if self._http.is_closed:
+            raise ClientError(
+                f"this Hub is closed and so is its connection pool; {method} {path} was not "
+                "sent; create a new Hub (AsyncHub().session(id) attaches to a session again)"
+            )
         retries = self.max_retries if content is None or isinstance(content, bytes) else 0
         attempt = 0
         while True:
@@ -453,7 +456,7 @@ class AsyncHub:
                 )
                 if attempt < retries and (unsent or replay_safe):
                     attempt += 1
-                    await asyncio.sleep(_backoff(attempt))
+                    await asyncio.sleep(backoff(attempt))
                     continue
                 maybe = "" if unsent else " (the gateway may have carried it out)"
                 raise GatewayUnreachableError(
@@ -465,7 +468,9 @@ class AsyncHub:
             if stream:
                 await response.aread()
                 await response.aclose()
-            error = _http_error(response.status_code, response.headers, response.content)
+            error = http_error(response.status_code, response.headers, response.content)
+            if error.status == 401 and not self._has_token:
+                error.add_note(f"no token was given: pass token= or set {TOKEN_ENV}")
             delay = self._retry_delay(error, attempt + 1, replay_safe)
             if attempt < retries and delay is not None:
                 attempt += 1
@@ -479,11 +484,16 @@ class AsyncHub:
         if error.status in (429, 503) or (replay_safe and error.status in (502, 504)):
             after = error.retry_after if isinstance(error, RateLimitedError) else None
             if after is None:
-                return _backoff(attempt)
-            return after if after <= _MAX_RETRY_WAIT else None
+                return backoff(attempt)
+            return after if after <= MAX_RETRY_WAIT else None
         return None
 
-    def _ws_url(self, session_id: str, since: int) -> str:
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request and WebSocket handshake carries (the token, the SDK)."""
+        return self._headers
+
+    def ws_url(self, session_id: str, since: int) -> str:
         parts = urlsplit(self.base_url)
         scheme = "wss" if parts.scheme == "https" else "ws"
         path = f"{parts.path}/v1/sessions/{quote(session_id, safe='')}/stream"
@@ -536,14 +546,19 @@ class AsyncSession:
 
     async def info(self) -> SessionInfo:
         """Fetch the session's current state (also kept in :attr:`last_info`)."""
-        self.last_info = _parse(SessionInfo, await self.hub._send("GET", self._path))
+        self.last_info = _parse(SessionInfo, await self.hub._request("GET", self._path))
         self._saw(self.last_info.last_seq)
         return self.last_info
 
     async def delete(self, *, purge: bool = False) -> None:
         """Stop the kernel and remove the session. Its history is kept for the gateway's
         retention period; ``purge`` deletes it now (and frees its storage quota)."""
-        await self.hub._send("DELETE", self._path + ("?purge=true" if purge else ""))
+        try:
+            await self.hub._request("DELETE", self._path + ("?purge=true" if purge else ""))
+        except (NotFoundError, SessionEndedError):
+            await self.hub._release(self)
+            raise
+        await self.hub._release(self)
 
     # -- executions --------------------------------------------------------------------
 
@@ -556,14 +571,19 @@ class AsyncSession:
         on_stderr: TextCallback | None = None,
         on_event: EventCallback | None = None,
         on_input: InputCallback | None = None,
+        on_start: StartCallback | None = None,
+        on_result: ResultCallback | None = None,
         idempotency_key: str | None = None,
     ) -> Execution:
         """Run ``code`` and return the finished :class:`Execution`.
 
         ``timeout`` is the cell's limit in seconds (None: the session's). A failing cell is
-        not an exception: look at ``execution.error``. With any callback, output streams
-        over the WebSocket and callbacks are called in order as it arrives (they may be
-        async); ``on_input(prompt)`` answers ``input()`` — without it, a cell that asks
+        not an exception: look at ``execution.error``; its rich outputs are
+        ``execution.results``. With any callback, output streams over the WebSocket and
+        callbacks are called in order as it arrives (they may be async): ``on_start(id)``
+        as soon as the gateway has accepted the cell (keep the id to :meth:`interrupt` it
+        from another task or thread), ``on_result(result)`` for each display and the
+        value; ``on_input(prompt)`` answers ``input()`` — without it, a cell that asks
         waits for :meth:`send_input` or its timeout. Without callbacks this is one REST
         request. A fresh idempotency key is generated unless given, so the SDK's retries
         and reconnects never run the code twice. Cancelling ``run`` or a callback raising
@@ -571,11 +591,12 @@ class AsyncSession:
         """
         user_key = idempotency_key is not None
         key = idempotency_key or _new_id()
-        if any(cb is not None for cb in (on_stdout, on_stderr, on_event, on_input)):
-            callbacks = _Callbacks(on_stdout, on_stderr, on_event, on_input)
+        given = (on_stdout, on_stderr, on_event, on_input, on_start, on_result)
+        if any(cb is not None for cb in given):
+            callbacks = _Callbacks(*given)
             return await self._run_streamed(code, timeout, key, user_key, callbacks)
         body = _build(ExecutionCreate, code=code, timeout=timeout, wait=True, idempotency_key=key)
-        response = await self.hub._send(
+        response = await self.hub._request(
             "POST",
             f"{self._path}/executions",
             json=body.model_dump(mode="json", exclude_none=True),
@@ -599,7 +620,7 @@ class AsyncSession:
             wait=False,
             idempotency_key=idempotency_key or _new_id(),
         )
-        response = await self.hub._send(
+        response = await self.hub._request(
             "POST",
             f"{self._path}/executions",
             json=body.model_dump(mode="json", exclude_none=True),
@@ -609,7 +630,7 @@ class AsyncSession:
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo:
         """The execution's state; ``events`` is filled in once it has finished."""
-        response = await self.hub._send(
+        response = await self.hub._request(
             "GET", f"/v1/executions/{quote(execution_id, safe='')}", replay_safe=True
         )
         return _parse(ExecutionInfo, response)
@@ -626,18 +647,20 @@ class AsyncSession:
 
     async def interrupt(self, execution_id: str) -> None:
         """Send KeyboardInterrupt to a running execution; variables are kept."""
-        await self.hub._send("POST", f"/v1/executions/{quote(execution_id, safe='')}/interrupt")
+        await self.hub._request("POST", f"/v1/executions/{quote(execution_id, safe='')}/interrupt")
 
     async def snapshot(self) -> SnapshotInfo:
         """Capture the variables and /workspace files (inside the sandbox); returns what
         was saved and, by name with the reason, what was not."""
-        response = await self.hub._send("POST", f"/v1/sessions/{quote(self.id, safe='')}/snapshots")
+        response = await self.hub._request(
+            "POST", f"/v1/sessions/{quote(self.id, safe='')}/snapshots"
+        )
         return _parse(SnapshotInfo, response)
 
     async def rewind(self, before_cell: int) -> RewindReport:
         """Undo cell ``before_cell`` and everything after it (sessions created with
         ``checkpoints``): the kernel comes back as it was before that cell."""
-        response = await self.hub._send(
+        response = await self.hub._request(
             "POST",
             f"/v1/sessions/{quote(self.id, safe='')}/rewind",
             json={"before_cell": before_cell},
@@ -647,33 +670,33 @@ class AsyncSession:
     async def pause(self) -> SessionInfo:
         """Freeze the whole sandbox: no CPU, the running cell shows ``paused`` and its
         timeout stops; execute/interrupt answer 409 until :meth:`resume`."""
-        response = await self.hub._send("POST", f"/v1/sessions/{quote(self.id, safe='')}/pause")
+        response = await self.hub._request("POST", f"/v1/sessions/{quote(self.id, safe='')}/pause")
         self.last_info = _parse(SessionInfo, response)
         return self.last_info
 
     async def resume(self) -> SessionInfo:
         """Thaw a paused session; the cell continues exactly where it stopped."""
-        response = await self.hub._send("POST", f"/v1/sessions/{quote(self.id, safe='')}/resume")
+        response = await self.hub._request("POST", f"/v1/sessions/{quote(self.id, safe='')}/resume")
         self.last_info = _parse(SessionInfo, response)
         return self.last_info
 
     async def cancel(self, execution_id: str) -> ExecutionInfo:
         """Drop a queued execution before it starts."""
-        response = await self.hub._send(
+        response = await self.hub._request(
             "POST", f"/v1/executions/{quote(execution_id, safe='')}/cancel"
         )
         return _parse(ExecutionInfo, response)
 
     async def send_input(self, execution_id: str, value: str) -> None:
         """Answer the ``input()`` an execution is waiting on."""
-        await self.hub._send(
+        await self.hub._request(
             "POST", f"/v1/executions/{quote(execution_id, safe='')}/input", json={"value": value}
         )
 
     async def notebook(self, *, html: bool = False) -> bytes:
         """The session's executions so far as a Jupyter notebook (``.ipynb`` JSON), or with
         ``html`` as one self-contained, script-free HTML page."""
-        response = await self.hub._send(
+        response = await self.hub._request(
             "GET", f"{self._path}/notebook?format={'html' if html else 'ipynb'}", replay_safe=True
         )
         return response.content
@@ -684,7 +707,7 @@ class AsyncSession:
         deleted or ends. Close it when done:
         ``async with contextlib.aclosing(session.events()) as it: async for event in it``.
         """
-        async with _EventStream(self.hub, self.id, since) as stream:
+        async with EventStream(self.hub, self.id, since) as stream:
             while True:
                 try:
                     frame = await stream.receive()
@@ -716,7 +739,7 @@ class AsyncSession:
             idempotency_key=key,
             request_id=request_id,
         )
-        async with _EventStream(self.hub, self.id, since=self._last_seq) as stream:
+        async with EventStream(self.hub, self.id, since=self._last_seq) as stream:
             await stream.open()
             floor = stream.first_hello_seq  # every event up to here predates this request
             await stream.send(execute)
@@ -734,6 +757,7 @@ class AsyncSession:
                     batch = [frame.event] if frame.event.execution_id == execution_id else []
                 elif isinstance(frame, AcceptedFrame) and frame.request_id == request_id:
                     execution_id = frame.execution_id
+                    await callbacks.started(execution_id)
                     if user_key:
                         # The key may name an execution from an earlier call, whose events
                         # predate this stream: if it has finished, its record says it all.
@@ -781,19 +805,21 @@ class AsyncSession:
         content: bytes | AsyncIterable[bytes] = (
             bytes(data) if isinstance(data, bytes | bytearray | memoryview) else _chunks(data)
         )
-        response = await self.hub._send(
+        response = await self.hub._request(
             "PUT", self._file_path(path), content=content, replay_safe=True
         )
         return _parse(FileInfo, response)
 
     async def download(self, path: str) -> bytes:
         """Read a whole file from the session's workspace into memory."""
-        response = await self.hub._send("GET", self._file_path(path), replay_safe=True)
+        response = await self.hub._request("GET", self._file_path(path), replay_safe=True)
         return response.content
 
     async def download_to(self, path: str, file: _Writable) -> int:
         """Stream a file from the workspace into ``file`` (sync or async); returns its size."""
-        response = await self.hub._send("GET", self._file_path(path), replay_safe=True, stream=True)
+        response = await self.hub._request(
+            "GET", self._file_path(path), replay_safe=True, stream=True
+        )
         size = 0
         try:
             async for chunk in response.aiter_bytes(_CHUNK_BYTES):
@@ -842,17 +868,28 @@ class _Callbacks:
         on_stderr: TextCallback | None,
         on_event: EventCallback | None,
         on_input: InputCallback | None,
+        on_start: StartCallback | None,
+        on_result: ResultCallback | None,
     ) -> None:
         self.on_stdout = on_stdout
         self.on_stderr = on_stderr
         self.on_event = on_event
         self.on_input = on_input
+        self.on_start = on_start
+        self.on_result = on_result
         self.reply_ids: set[str] = set()
 
-    async def dispatch(self, event: Event, stream: _EventStream | None, execution_id: str) -> None:
+    async def started(self, execution_id: str) -> None:
+        if self.on_start is not None:
+            await _call(self.on_start, execution_id)
+
+    async def dispatch(self, event: Event, stream: EventStream | None, execution_id: str) -> None:
         if self.on_event is not None:
             await _call(self.on_event, event)
-        if isinstance(event, StreamEvent):
+        if isinstance(event, ResultEvent) or (isinstance(event, DisplayEvent) and not event.update):
+            if self.on_result is not None:
+                await _call(self.on_result, result_of(event))
+        elif isinstance(event, StreamEvent):
             callback = self.on_stdout if event.name == "stdout" else self.on_stderr
             if callback is not None:
                 await _call(callback, event.text)
@@ -868,202 +905,3 @@ class _Callbacks:
             assert reply.request_id is not None
             self.reply_ids.add(reply.request_id)
             await stream.send(reply)
-
-
-# -- the event stream ------------------------------------------------------------------
-
-
-class _EventStream:
-    """One session's events over as many WebSocket connections as it takes.
-
-    Calling contract: one task calls :meth:`open` (optional), then :meth:`receive`
-    repeatedly, :meth:`send` in between, and :meth:`aclose` at the end (``async with``).
-    :meth:`receive` returns each event frame once, in ``seq`` order, and the answers to
-    requests (accepted, error, pong). When the socket drops or the gateway closes it as too
-    slow (4408), it reconnects with ``since=<last seq returned>`` and drops replayed
-    duplicates, so nothing is lost or repeated. Execute frames not yet answered are re-sent
-    after a reconnect (they carry an idempotency key, so the gateway runs them once); other
-    frames are re-sent only if they could not be written. Gives up with
-    :class:`StreamLostError` after ``hub.max_reconnects`` reconnects in a row that brought
-    no new event; closes that mean "no" (4401, 4404, 4410) raise their :class:`ApiError`.
-    """
-
-    def __init__(self, hub: AsyncHub, session_id: str, since: int) -> None:
-        self.hub = hub
-        self.session_id = session_id
-        self.last_seq = since
-        self.first_hello_seq = since
-        self._ws: ClientConnection | None = None
-        self.ever_connected = False
-        self._unanswered: dict[str, ExecuteFrame] = {}
-        self._outbox: list[_ClientFrame] = []
-        self._failures = 0
-        self._connected_at = 0.0
-        self._last_error: BaseException | None = None
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        ws, self._ws = self._ws, None
-        if ws is not None:
-            await ws.close()
-
-    async def open(self) -> None:
-        if self._ws is None:
-            await self._reconnect()
-
-    async def send(self, frame: _ClientFrame) -> None:
-        if isinstance(frame, ExecuteFrame) and frame.request_id is not None:
-            self._unanswered[frame.request_id] = frame
-        if self._ws is not None:
-            try:
-                await self._ws.send(frame.model_dump_json(exclude_none=True))
-                return
-            except ConnectionClosed:
-                pass  # receive() sees the close and reconnects
-        if not isinstance(frame, ExecuteFrame):
-            self._outbox.append(frame)
-
-    async def receive(self) -> ServerFrame:
-        while True:
-            if self._ws is None:
-                await self._reconnect()
-            assert self._ws is not None
-            try:
-                raw = await self._ws.recv()
-            except ConnectionClosed as exc:
-                self._dropped(exc)
-                continue
-            frame = self._parse(raw)
-            if isinstance(frame, EventFrame):
-                if frame.event.seq <= self.last_seq:
-                    continue  # a replayed duplicate
-                self.last_seq = frame.event.seq
-                self._failures = 0
-                return frame
-            if isinstance(frame, HelloFrame):
-                continue  # only the first frame of a connection is meaningful as hello
-            if isinstance(frame, AcceptedFrame | ErrorFrame) and frame.request_id is not None:
-                self._unanswered.pop(frame.request_id, None)
-            return frame
-
-    def _parse(self, raw: str | bytes) -> ServerFrame:
-        try:
-            return _SERVER_FRAME.validate_json(raw)
-        except pydantic.ValidationError as exc:
-            raise ProtocolError(
-                f"session {self.session_id}'s stream sent a frame this SDK cannot read "
-                f"({exc.errors()[:2]}): {raw[:200]!r}; check that the SDK and gateway versions match"
-            ) from exc
-
-    def _dropped(self, exc: ConnectionClosed) -> None:
-        self._ws = None
-        error = _close_error(exc, self.session_id)
-        if error is not None:
-            raise error from exc
-        self._last_error = exc
-
-    async def _reconnect(self) -> None:
-        if self._connected_at and time.monotonic() - self._connected_at > _STABLE_CONNECTION:
-            self._failures = 0
-        while True:
-            self._failures += 1
-            if self._failures > self.hub.max_reconnects + 1:
-                raise StreamLostError(
-                    f"lost the event stream of session {self.session_id}: "
-                    f"{self._failures - 1} connection attempts in a row brought nothing new "
-                    f"(last: {self._last_error!r}); every event up to seq {self.last_seq} was "
-                    f"delivered — resume with session.events(since={self.last_seq}), or raise "
-                    "Hub(max_reconnects=...)",
-                    last_seq=self.last_seq,
-                ) from self._last_error
-            retry_after = (
-                self._last_error.retry_after
-                if isinstance(self._last_error, RateLimitedError)
-                else None
-            )
-            if retry_after is not None:
-                await asyncio.sleep(min(retry_after, _MAX_RETRY_WAIT))
-            elif self._failures > 1:
-                await asyncio.sleep(_backoff(self._failures - 1))
-            try:
-                await self._connect()
-                return
-            except _Retry as exc:
-                self._last_error = exc.error
-            except (OSError, TimeoutError, WebSocketException) as exc:
-                self._last_error = exc
-
-    async def _connect(self) -> None:
-        """One attempt. Raises :class:`_Retry`, ``OSError``, ``TimeoutError`` or a websockets
-        error when another attempt may help; any other exception ends the stream."""
-        url = self.hub._ws_url(self.session_id, self.last_seq)
-        try:
-            ws = await connect(
-                url,
-                additional_headers=self.hub._headers,
-                user_agent_header=None,
-                open_timeout=self.hub.timeout,
-                max_size=_MAX_FRAME_BYTES,
-            )
-        except InvalidStatus as exc:
-            response = exc.response
-            error = _http_error(response.status_code, response.headers, bytes(response.body))
-            if error.status in (429, 502, 503, 504):
-                raise _Retry(error) from exc
-            raise error from exc
-        try:
-            async with asyncio.timeout(self.hub.timeout):
-                raw = await ws.recv()
-        except ConnectionClosed as exc:
-            refusal = _close_error(exc, self.session_id)
-            if refusal is not None:
-                raise refusal from exc
-            raise
-        except BaseException:
-            await ws.close()
-            raise
-        hello = self._parse(raw)
-        problem = None
-        if not isinstance(hello, HelloFrame):
-            problem = f"the first frame was {hello.type!r}, not 'hello'"
-        elif hello.protocol != PROTOCOL_VERSION:
-            problem = (
-                f"the gateway speaks protocol {hello.protocol}, this SDK speaks "
-                f"{PROTOCOL_VERSION}; install the kernelhub version that matches the gateway"
-            )
-        elif hello.last_seq < self.last_seq:
-            problem = (
-                f"the gateway's last seq is {hello.last_seq} but this client already saw "
-                f"seq {self.last_seq}; the gateway lost events (was its store reset?)"
-            )
-        if problem is not None:
-            await ws.close()
-            raise ProtocolError(f"session {self.session_id}: {problem}")
-        assert isinstance(hello, HelloFrame)
-        if not self.ever_connected:
-            self.ever_connected = True
-            self.first_hello_seq = hello.last_seq
-        self._ws = ws
-        self._connected_at = time.monotonic()
-        pending = [*self._unanswered.values(), *self._outbox]
-        self._outbox.clear()
-        for frame in pending:
-            await self.send(frame)
-
-
-class _Retry(Exception):
-    """A refused handshake worth another attempt (429, 502-504)."""
-
-    def __init__(self, error: ApiError) -> None:
-        super().__init__(str(error))
-        self.error = error

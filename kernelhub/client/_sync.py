@@ -41,11 +41,13 @@ _END = object()
 
 
 class _Portal:
-    """An event loop on its own thread, and the one way to run coroutines on it."""
+    """An event loop on its own thread, and the one way to run coroutines on it.
+    ``last_words`` runs on the loop once it is stopped, before it closes."""
 
-    def __init__(self) -> None:
+    def __init__(self, last_words: Callable[[], Awaitable[None]] | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._closed = False
+        self._last_words = last_words
         self._thread = threading.Thread(target=self._serve, name="kernelhub-portal", daemon=True)
         self._thread.start()
 
@@ -59,6 +61,8 @@ class _Portal:
             for task in tasks:
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            if self._last_words is not None:
+                loop.run_until_complete(self._last_words())
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
@@ -206,13 +210,16 @@ class _Twin(Generic[A]):
         self._async = inner
         self._portal = portal
 
+    def _check_open(self) -> None:
+        """Raise if this object may no longer be used (a closed Hub)."""
+
 
 class _Forward(Generic[A, P, T]):
     """A sync method derived from an async one; built by :func:`_forward` and friends."""
 
     def __init__(
         self,
-        invoke: Callable[[_Portal, A, tuple[Any, ...], dict[str, Any]], T],
+        invoke: Callable[[_Twin[A], tuple[Any, ...], dict[str, Any]], T],
         source: Callable[..., Any],
     ) -> None:
         self._invoke = invoke
@@ -226,40 +233,50 @@ class _Forward(Generic[A, P, T]):
     def __get__(self, obj: _Twin[A] | None, owner: type[Any]) -> Self | Callable[P, T]:
         if obj is None:
             return self
-        invoke, portal, inner = self._invoke, obj._portal, obj._async
+        invoke = self._invoke
 
+        # Bound to ``obj`` itself, not only its parts: ``Hub(url, token).list_sessions()``
+        # keeps the temporary Hub (and so its portal) alive until the call returns.
         @functools.wraps(self._source, assigned=("__name__", "__qualname__", "__doc__"))
         def method(*args: P.args, **kwargs: P.kwargs) -> T:
-            return invoke(portal, inner, args, kwargs)
+            obj._check_open()
+            return invoke(obj, args, kwargs)
 
         return method
 
 
 def _forward(fn: Callable[Concatenate[A, P], Awaitable[R]]) -> _Forward[A, P, R]:
     """``fn`` run on the portal, same arguments, same result."""
-    return _Forward(lambda portal, inner, a, k: portal.call(fn, inner, *a, **k), fn)
+    return _Forward(lambda twin, a, k: twin._portal.call(fn, twin._async, *a, **k), fn)
 
 
 def _forward_as(
-    fn: Callable[Concatenate[A, P], Awaitable[R]], wrap: Callable[[R, _Portal], T]
+    fn: Callable[Concatenate[A, P], Awaitable[R]], wrap: Callable[[R, Any], T]
 ) -> _Forward[A, P, T]:
-    """``fn`` run on the portal, its async result wrapped in its sync twin."""
-    return _Forward(lambda portal, inner, a, k: wrap(portal.call(fn, inner, *a, **k), portal), fn)
+    """``fn`` run on the portal, its async result wrapped in its sync twin, which is given
+    the object it came from (a Session keeps its Hub, and so the portal, alive)."""
+    return _Forward(lambda twin, a, k: wrap(twin._portal.call(fn, twin._async, *a, **k), twin), fn)
 
 
 def _forward_iter(
     fn: Callable[Concatenate[A, P], AsyncIterator[R]],
 ) -> _Forward[A, P, SyncIterator[R]]:
     """An async-generator method as a blocking iterator."""
-    return _Forward(lambda portal, inner, a, k: SyncIterator(portal, fn(inner, *a, **k)), fn)
+    return _Forward(lambda twin, a, k: SyncIterator(twin._portal, fn(twin._async, *a, **k)), fn)
 
 
 class Session(_Twin[AsyncSession]):
     """One stateful kernel, blocking API; see :class:`~kernelhub.client.AsyncSession`.
 
     Callbacks given to :meth:`run` run on the thread that called it. Leaving
-    ``with session:`` deletes the session.
+    ``with session:`` deletes the session. A session keeps its :class:`Hub`'s background
+    thread and connections alive, even past ``hub.close()``, until it is deleted and gone.
     """
+
+    def __init__(self, inner: AsyncSession, hub: Hub) -> None:
+        super().__init__(inner, hub._portal)
+        self.hub = hub
+        hub._sessions.add(self)
 
     def __repr__(self) -> str:
         return f"Session({self.id!r}, state={self.last_info.state.value!r})"
@@ -311,8 +328,8 @@ class Hub(_Twin[AsyncHub]):
 
     def __init__(
         self,
-        base_url: str,
-        token: str,
+        base_url: str | None = None,
+        token: str | None = None,
         *,
         timeout: float | None = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -327,7 +344,10 @@ class Hub(_Twin[AsyncHub]):
             max_retries=max_retries,
             max_reconnects=max_reconnects,
         )
-        super().__init__(inner, _Portal())
+        super().__init__(inner, _Portal(last_words=inner._shutdown))
+        self._closed = False
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        # Runs when the Hub and every Session it gave out are gone (they refer to it).
         self._finalizer = weakref.finalize(self, self._portal.stop)
 
     def __repr__(self) -> str:
@@ -344,15 +364,28 @@ class Hub(_Twin[AsyncHub]):
     wait_batch = _forward(AsyncHub.wait_batch)
     run_batch = _forward(AsyncHub.run_batch)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientError("this Hub is closed; create a new Hub")
+
     def close(self) -> None:
-        """Close the connection pool and stop the background thread. Sessions stay alive
-        on the gateway. Idempotent."""
+        """Close the hub: its methods then raise "this Hub is closed". Sessions stay alive
+        on the gateway, and Session objects it gave out keep working (and keep its thread
+        and connections) until deleted; with none left, the thread stops now. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if not self._finalizer.alive:
             return
         try:
             self._portal.call(self._async.close)
         finally:
-            self._finalizer()
+            if not self._sessions:
+                self._finalizer()
 
     def __enter__(self) -> Self:
         return self

@@ -10,6 +10,11 @@ cell. Whatever kernelhub knows beyond that (status, how it ended, timings, resou
 
 A cell that did not complete is marked where a reader cannot miss it: a markdown cell just
 before it, and a ``[kernelhub: …]`` line on stderr (unless a traceback already shows it).
+What happened to the session between cells (a crashed kernel recovered in a fresh
+sandbox: the notices that belong to no execution) is a marked markdown cell of its own, in
+its place. Execution counts keep counting up across such restarts: a fresh kernel counts
+from 1 again, so its counts are shifted past the last one shown (the kernel's own count is
+kept in ``metadata.kernelhub.kernel_execution_count``).
 
 Re-running an export (``nbclient``, ``jupyter nbconvert --execute``): cells tagged
 ``kernelhub-skip-rerun`` did not complete, or needed an ``input()`` answer, so a re-run
@@ -18,7 +23,8 @@ Cells whose code raised carry the standard ``raises-exception`` tag, so a re-run
 their error instead of stopping.
 
 :func:`to_html` renders a notebook as one self-contained page for people. Agent output is
-untrusted: every text is escaped, ``text/html`` is shown only inside a sandboxed
+untrusted: every text is escaped, markdown is rendered by a small safe renderer
+(:mod:`kernelhub.export.markdown`: links only to http(s)/mailto), ``text/html`` is shown only inside a sandboxed
 ``<iframe srcdoc>`` (no scripts, no same-origin), images only from validated base64, and a
 strict Content-Security-Policy forbids scripts and any network fetch.
 """
@@ -37,6 +43,7 @@ from typing import Any, Protocol, cast
 import nbformat
 from nbformat import NotebookNode
 
+from kernelhub.export.markdown import render_markdown
 from kernelhub.models import (
     ClearOutputEvent,
     DisplayEvent,
@@ -107,9 +114,13 @@ class ExecutionLike(Protocol):
 
 
 def to_notebook(
-    session: SessionInfo, executions: Sequence[tuple[ExecutionLike, Sequence[Event]]]
+    session: SessionInfo,
+    executions: Sequence[tuple[ExecutionLike, Sequence[Event]]],
+    session_events: Sequence[Event] = (),
 ) -> NotebookNode:
-    """The session's executions, in the given order, as a valid nbformat v4 notebook."""
+    """The session's executions, in the given order, as a valid nbformat v4 notebook.
+    ``session_events`` are the session's events that belong to no execution (recovery
+    notices): each becomes a marked cell where its ``seq`` falls among the executions'."""
     cells: list[_Json] = [
         _markdown(
             f"session-{session.id}",
@@ -119,12 +130,19 @@ def to_notebook(
         )
     ]
     displays: dict[str, list[_Json]] = {}
+    between = sorted((e for e in session_events if isinstance(e, NoticeEvent)), key=lambda e: e.seq)
+    counter = _Counter()
     for execution, events in executions:
+        first_seq = min((e.seq for e in events), default=None)
+        while between and first_seq is not None and between[0].seq < first_seq:
+            cells.append(_session_note(between.pop(0)))
         cell = _cell(execution, events, displays)
+        counter.renumber(cell)
         marker = _marker(execution, cell)
         if marker is not None:
             cells.append(marker)
         cells.append(cell)
+    cells.extend(_session_note(notice) for notice in between)
     metadata = {
         "kernelspec": {
             "name": "python3",
@@ -208,7 +226,7 @@ def _cell(
                     "output_type": "error",
                     "ename": event.error.name,
                     "evalue": event.error.value,
-                    "traceback": list(event.error.traceback),
+                    "traceback": list(event.error.traceback_ansi or event.error.traceback),
                 }
             )
         elif isinstance(event, ClearOutputEvent):
@@ -286,6 +304,34 @@ def _cell(
         "source": execution.code,
         "outputs": outputs,
     }
+
+
+class _Counter:
+    """Execution counts that only go up. A kernel restarted (recovered after a crash, or
+    restarted by a timeout) counts from 1 again; its counts are shifted to continue after
+    the last count shown, which is what a reader of ``In [n]`` expects."""
+
+    def __init__(self) -> None:
+        self.last = 0
+        self.shift = 0
+
+    def renumber(self, cell: _Json) -> None:
+        count = cell["execution_count"]
+        if count is None:
+            return
+        cell["metadata"]["kernelhub"]["kernel_execution_count"] = count
+        if count + self.shift <= self.last:
+            self.shift = self.last - count + 1
+        shown = count + self.shift
+        self.last = shown
+        cell["execution_count"] = shown
+        for output in cell["outputs"]:
+            if output["output_type"] == "execute_result":
+                output["execution_count"] = shown
+
+
+def _session_note(notice: NoticeEvent) -> _Json:
+    return _markdown(f"notice-{notice.seq}", f"**⚠ kernelhub — {_md_escape(notice.message)}**")
 
 
 def _marker(execution: ExecutionLike, cell: _Json) -> _Json | None:
@@ -408,7 +454,8 @@ pre{white-space:pre-wrap;word-break:break-word;margin:0;font:13px/1.4 ui-monospa
 .count{color:#888;font:12px ui-monospace,monospace}.out{padding:.3em .5em}
 .stderr{background:#fff3f3}.error{background:#fdd;color:#700}
 .bad{border-left:4px solid #c00;padding-left:.5em}.banner{background:#c00;color:#fff;padding:.3em .6em;font-weight:bold}
-.md{white-space:pre-wrap;color:#333}.meta{color:#666;font-size:12px}
+.md{color:#333}.md pre{background:#f5f5f5;padding:.5em}.md code{font:13px ui-monospace,monospace}
+.marker{border-left:4px solid #c00;padding-left:.5em}.meta{color:#666;font-size:12px}
 iframe{width:100%;height:20em;border:1px solid #ddd;resize:vertical}
 img{max-width:100%}
 """
@@ -434,7 +481,9 @@ def to_html(notebook: Mapping[str, Any]) -> str:
 def _html_cell(cell: Mapping[str, Any]) -> str:
     source = _text(cell.get("source", ""))
     if cell.get("cell_type") != "code":
-        return f'<div class="cell md">{_e(source)}</div>'
+        marked = MARKER_TAG in cell.get("metadata", {}).get("tags", [])
+        css = "cell md marker" if marked and "⚠" in source else "cell md"
+        return f'<div class="{css}">{render_markdown(source)}</div>'
     info = cell.get("metadata", {}).get("kernelhub", {})
     status = info.get("status", "completed")
     count = cell.get("execution_count")

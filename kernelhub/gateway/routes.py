@@ -336,7 +336,8 @@ async def export_notebook(
     executions = [
         (row, await store.events_of(row.id)) for row in await store.executions_of(session_id)
     ]
-    nb = await asyncio.to_thread(to_notebook, info, executions)
+    between = await store.session_events_of(session_id)
+    nb = await asyncio.to_thread(to_notebook, info, executions, between)
     if fmt == "html":
         return Response(await asyncio.to_thread(to_html, nb), media_type="text/html")
     body = await asyncio.to_thread(nbformat.writes, nb)

@@ -734,6 +734,16 @@ class SqliteStore:
         )
         return [_EVENT.validate_json(r[0]) for r in rows]
 
+    async def session_events_of(self, session_id: str) -> list[Event]:
+        """The session's events that belong to no execution (notices such as a recovery),
+        oldest first (for exports)."""
+        rows = await self._off(
+            self._q,
+            "SELECT body FROM events WHERE session_id = ? AND execution_id = '' ORDER BY seq",
+            (session_id,),
+        )
+        return [_EVENT.validate_json(r[0]) for r in rows]
+
     async def has_started(self, execution_id: str) -> bool:
         """Whether the execution's events include its ``running`` status."""
         rows = await self._run(

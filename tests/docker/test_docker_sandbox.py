@@ -260,3 +260,19 @@ async def test_a_kernel_busy_in_a_cell_is_reattached_at_once(backend: DockerBack
         assert result.status == ExecutionStatus.COMPLETED and result.stdout == "7\n"
     finally:
         await (again or first).close()
+
+
+async def test_a_library_error_costs_a_plain_traceback_not_seconds(
+    backend: DockerBackend, sessions: list[KernelSession]
+) -> None:
+    """The kernel formats tracebacks in Plain mode (stock IPython's Context mode took
+    1.3-2.6 s for this KeyError): the user's frames, one line each, no context blocks."""
+    s = await start(backend, sessions)
+    await s.execute("import pandas as pd\ndf = pd.DataFrame({'a': [1, 2]})")
+    ok = await s.execute("def pick(frame):\n    return frame['a']\nx = 1\npick(df)")
+    failed = await s.execute("def pick(frame):\n    return frame['missing']\nx = 1\npick(df)")
+    assert failed.error is not None and failed.error.name == "KeyError"
+    text = failed.error.traceback_text
+    assert "Cell In[3], line 4" in text and "return frame['missing']" in text
+    assert "---->" not in text and "\x1b" not in text  # no Context-mode source blocks
+    assert failed.record.duration - ok.record.duration < 0.3 * UNIT, (failed.record, ok.record)

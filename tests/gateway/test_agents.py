@@ -56,6 +56,12 @@ async def test_runner_summarizes_an_error(session: AsyncSession) -> None:
     assert "[error]\nZeroDivisionError: division by zero" in result.text
     assert "return 1 / 0" in result.text
     assert "\x1b" not in result.text
+    # A library error: the user's frames and the exception stay, pandas' middle goes.
+    code = "import pandas as pd\ndef pick(df):\n    return df['missing']\npick(pd.DataFrame({'a': [1]}))"
+    library = await ToolRunner(session).run("execute_python", {"code": code})
+    assert "Cell In[2], line 4" in library.text and "return df['missing']" in library.text
+    assert "library frame" in library.text and "frame.py" not in library.text
+    assert library.text.rstrip().endswith("KeyError: 'missing'")
 
 
 async def test_runner_returns_a_plot_as_an_image(session: AsyncSession) -> None:

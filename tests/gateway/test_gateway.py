@@ -856,6 +856,23 @@ async def test_a_crashed_kernel_comes_back_from_its_last_checkpoint(
                 break
     recovered = [n for n in notices if "recovered" in n]
     assert recovered and "out of memory" in recovered[0] and bomb["id"] in recovered[0]
+    # The export: counts keep going up across the recovery, which is a marked cell of its
+    # own between the cell that died and the next one; markdown is rendered, not raw.
+    nb = (await http.get(f"/v1/sessions/{sid}/notebook", headers=h)).json()
+    kinds = [
+        (c["cell_type"], c["metadata"].get("kernelhub", {}).get("execution_id"))
+        for c in nb["cells"]
+    ]
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    counts = [c["execution_count"] for c in code if c["execution_count"] is not None]
+    assert counts == sorted(set(counts)) and len(counts) >= 3, counts
+    died = kinds.index(("code", bomb["id"]))
+    resumed = kinds.index(("code", after["id"]))
+    notes = ["".join(c["source"]) for c in nb["cells"][died + 1 : resumed]]
+    assert any("recovered" in n and "out of memory" in n for n in notes), notes
+    page = (await http.get(f"/v1/sessions/{sid}/notebook?format=html", headers=h)).text
+    assert "<h1>kernelhub session" in page and '<div class="cell md marker">' in page
+    assert "<strong>⚠ kernelhub" in page and "**⚠" not in page and "# kernelhub" not in page
 
 
 async def test_snapshot_and_rewind_over_the_websocket(

@@ -19,6 +19,7 @@ from kernelhub.agents.tools import (
     render_execution,
     strip_ansi,
     summarize_error,
+    trim_traceback,
     truncate,
 )
 from kernelhub.client import FileInfo, NotFoundError
@@ -152,7 +153,7 @@ def test_summarize_error_keeps_the_tail_without_colours() -> None:
     summary = summarize_error(error, traceback_lines=4)
     lines = summary.splitlines()
     assert lines[0] == "ValueError: bad thing"
-    assert "56 earlier lines omitted" in lines[1]
+    assert lines[1] == "… 56 traceback lines omitted …"
     assert lines[2:] == ["frame 28", "  line", "frame 29", "  line"]
     assert "\x1b" not in summary
 
@@ -274,3 +275,103 @@ async def test_interrupt_and_snapshot() -> None:
     assert "nothing is running" in idle.text and not idle.is_error
     snap = await runner.run("snapshot", None)
     assert snap.text == "snapshot s1: saved x (10 bytes)\nnot saved: gen (cannot pickle generator)"
+
+
+# A pandas KeyError as the kernel formats it (paths shortened), in IPython's two modes.
+_SITE = "/opt/kernel/lib/python3.11/site-packages/pandas"
+PLAIN_KEYERROR = f"""Traceback (most recent call last):
+  File {_SITE}/core/indexes/base.py:3816 in get_loc
+    return self._engine.get_loc(casted_key)
+  File pandas/_libs/index.pyx:172 in pandas._libs.index.IndexEngine.get_loc
+  File pandas/_libs/hashtable_class_helper.pxi:7734 in pandas._libs.hashtable.PyObjectHashTable.get_item
+KeyError: 'missing'
+
+The above exception was the direct cause of the following exception:
+Traceback (most recent call last):
+  Cell In[1], line 3
+    f(df)
+  Cell In[1], line 2 in f
+    return d['missing']
+  File {_SITE}/core/frame.py:4330 in __getitem__
+    indexer = self.columns.get_loc(key)
+  File {_SITE}/core/indexes/base.py:3823 in get_loc
+    raise KeyError(key) from err
+KeyError: 'missing'"""
+
+CONTEXT_KEYERROR = f"""\x1b[31m---------------------------------------------------------------------------\x1b[39m
+\x1b[31mKeyError\x1b[39m                                  Traceback (most recent call last)
+\x1b[36mCell\x1b[39m\x1b[36m \x1b[39m\x1b[32mIn[1]\x1b[39m\x1b[32m, line 3\x1b[39m
+\x1b[32m      1\x1b[39m \x1b[38;5;28;01mdef\x1b[39;00m\x1b[38;5;250m \x1b[39m\x1b[34mf\x1b[39m(d):
+\x1b[32m      2\x1b[39m     \x1b[38;5;28;01mreturn\x1b[39;00m d[\x1b[33m'missing'\x1b[39m]
+\x1b[32m----> 3\x1b[39m f(df)
+
+Cell In[1], line 2, in f(d)
+      1 def f(d):
+----> 2     return d['missing']
+
+File {_SITE}/core/frame.py:4330, in DataFrame.__getitem__(self, key)
+   4328             if self.columns.nlevels > 1:
+   4329                 return self._getitem_multilevel(key)
+-> 4330             indexer = self.columns.get_loc(key)
+   4331             if is_integer(indexer):
+
+File {_SITE}/core/indexes/base.py:3823, in Index.get_loc(self, key)
+   3822         raise InvalidIndexError(key) from err
+-> 3823     raise KeyError(key) from err
+   3824 except TypeError:
+
+KeyError: 'missing'"""
+
+
+def test_trim_traceback_plain_mode_keeps_user_frames_and_exceptions() -> None:
+    trimmed = trim_traceback(PLAIN_KEYERROR.splitlines())
+    assert trimmed == [
+        "Traceback (most recent call last):",
+        "… 2 library frames …",
+        "  File pandas/_libs/hashtable_class_helper.pxi:7734 in pandas._libs.hashtable.PyObjectHashTable.get_item",
+        "KeyError: 'missing'",
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "Traceback (most recent call last):",
+        "  Cell In[1], line 3",
+        "    f(df)",
+        "  Cell In[1], line 2 in f",
+        "    return d['missing']",
+        "… 1 library frame …",
+        f"  File {_SITE}/core/indexes/base.py:3823 in get_loc",
+        "    raise KeyError(key) from err",
+        "KeyError: 'missing'",
+    ]
+
+
+def test_trim_traceback_context_mode_keeps_only_the_current_lines() -> None:
+    trimmed = trim_traceback(strip_ansi(CONTEXT_KEYERROR).splitlines())
+    assert trimmed[2:] == [
+        "Cell In[1], line 3",
+        "----> 3 f(df)",
+        "Cell In[1], line 2, in f(d)",
+        "----> 2     return d['missing']",
+        "… 1 library frame …",
+        f"File {_SITE}/core/indexes/base.py:3823, in Index.get_loc(self, key)",
+        "-> 3823     raise KeyError(key) from err",
+        "KeyError: 'missing'",
+    ]
+    assert trim_traceback(["no frames here", "ValueError: x"]) == [
+        "no frames here",
+        "ValueError: x",
+    ]
+
+
+def test_summarize_error_of_a_library_error_names_the_users_line() -> None:
+    error = CellError(name="KeyError", value="'missing'", traceback=[CONTEXT_KEYERROR])
+    summary = summarize_error(error)
+    assert summary.splitlines()[0] == "KeyError: 'missing'"
+    assert "Cell In[1], line 3" in summary and "----> 2     return d['missing']" in summary
+    assert "frame.py" not in summary and "… 1 library frame …" in summary
+    assert (
+        summary.endswith("KeyError: 'missing'") and "\x1b" not in summary and "-----" not in summary
+    )
+    # Short of room, the first user frame still comes ahead of the end.
+    tight = summarize_error(error, traceback_lines=6).splitlines()
+    assert tight[1].startswith("… ") and tight[2:4] == ["Cell In[1], line 3", "----> 3 f(df)"]
+    assert tight[-1] == "KeyError: 'missing'" and len(tight) == 8

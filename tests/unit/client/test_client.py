@@ -1019,7 +1019,7 @@ async def test_a_refused_handshake_is_mapped_and_503_retried(
 def test_every_close_code_of_the_protocol_is_classified() -> None:
     from websockets.frames import Close
 
-    from kernelhub.client._async import _close_error
+    from kernelhub.client._stream import close_error as _close_error
     from kernelhub.wire import CloseCode
 
     def close(code: int) -> ConnectionClosed:
@@ -1036,7 +1036,7 @@ def test_every_close_code_of_the_protocol_is_classified() -> None:
 
 
 def test_retry_after_parses_from_websocket_headers_too() -> None:
-    from kernelhub.client._async import _http_error
+    from kernelhub.client._stream import http_error as _http_error
 
     error = _http_error(
         429, Headers({"Retry-After": "3"}), b'{"error": "rate_limited", "message": "x"}'
@@ -1143,3 +1143,110 @@ def test_sync_rest_shares_the_async_error_table() -> None:
     ):
         hub.list_sessions()
     assert caught.value.retry_after == 2.0
+
+
+# -- lifetimes, the environment, execution ids ---------------------------------------------
+
+
+def lifetime_routes() -> Recorder:
+    return Recorder(
+        ("POST", "/v1/sessions", lambda r: httpx.Response(201, json=session_info())),
+        ("GET", "/v1/sessions", lambda r: httpx.Response(200, json={"sessions": []})),
+        session_route(),
+        ("DELETE", f"/v1/sessions/{SID}", lambda r: httpx.Response(204)),
+    )
+
+
+async def test_a_closed_hub_refuses_but_its_sessions_keep_the_pool_until_deleted() -> None:
+    handler = lifetime_routes()
+    async with hub_for(handler) as hub:
+        session = await hub.create_session()
+    assert hub.closed
+    with pytest.raises(ClientError, match=r"^this Hub is closed"):
+        await hub.list_sessions()
+    assert (await session.info()).id == SID  # the session still works
+    await session.delete()  # the last one: the pool closes with it
+    assert hub._http.is_closed
+    with pytest.raises(ClientError, match="this Hub is closed"):
+        await session.info()
+    # A hub closed with no session out closes its pool at once.
+    async with hub_for(lifetime_routes()) as bare:
+        pass
+    assert bare._http.is_closed
+
+
+async def test_a_real_refusal_is_never_masked_as_closed() -> None:
+    handler = Recorder(("GET", "/v1/sessions", lambda r: error_response(401, "unauthorized")))
+    with pytest.raises(AuthError) as caught:
+        await hub_for(handler).list_sessions()
+    assert "closed" not in str(caught.value)
+
+
+def test_hub_reads_its_address_and_token_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KERNELHUB_URL", raising=False)
+    monkeypatch.delenv("KERNELHUB_TOKEN", raising=False)
+    default = AsyncHub()
+    assert default.base_url == "http://127.0.0.1:8765" and "Authorization" not in default.headers
+    monkeypatch.setenv("KERNELHUB_URL", "http://gw.test:9000/")
+    monkeypatch.setenv("KERNELHUB_TOKEN", "from-env")
+    hub = AsyncHub()
+    assert (
+        hub.base_url == "http://gw.test:9000" and hub.headers["Authorization"] == "Bearer from-env"
+    )
+    given = AsyncHub("http://other.test", "given")  # arguments win over the environment
+    assert (
+        given.base_url == "http://other.test" and given.headers["Authorization"] == "Bearer given"
+    )
+    monkeypatch.setenv("KERNELHUB_URL", "gw.test:9000")
+    with pytest.raises(ClientError, match="KERNELHUB_URL must look like"):
+        AsyncHub()
+
+
+async def test_without_a_token_a_401_says_how_to_give_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KERNELHUB_TOKEN", raising=False)
+    handler = Recorder(("GET", "/v1/sessions", lambda r: error_response(401, "unauthorized")))
+    hub = AsyncHub("http://gateway.test", transport=httpx.MockTransport(handler))
+    with pytest.raises(AuthError) as caught:
+        await hub.list_sessions()
+    assert "KERNELHUB_TOKEN" in "".join(caught.value.__notes__)
+    assert "authorization" not in handler.requests[0].headers
+
+
+def test_a_temporary_sync_hub_lives_through_its_call_and_its_sessions() -> None:
+    import gc
+
+    handler = lifetime_routes()
+    transport = httpx.MockTransport(handler)
+    assert Hub("http://gateway.test", TOKEN, transport=transport).list_sessions() == []
+    session = Hub("http://gateway.test", TOKEN, transport=transport).create_session()
+    gc.collect()
+    assert session.info().id == SID  # its Hub object is gone; the session keeps it alive
+    portal = session._portal.thread
+    with Hub("http://gateway.test", TOKEN, transport=transport) as hub:
+        kept = hub.create_session()
+    with pytest.raises(ClientError, match=r"^this Hub is closed"):
+        hub.list_sessions()
+    assert kept.info().id == SID
+    with kept, session:
+        pass  # both deleted, through hubs that are closed or gone
+    assert [r.method for r in handler.requests].count("DELETE") == 2
+    del session, kept
+    gc.collect()
+    portal.join(5 * UNIT)
+    assert not portal.is_alive()
+
+
+async def test_on_start_gets_the_execution_id_before_any_output(
+    gateway: Callable[..., FakeGateway],
+) -> None:
+    fake = gateway()
+    order: list[str] = []
+    async with attached(fake) as session:
+        execution = await session.run(
+            "count:2", on_start=lambda eid: order.append(f"start {eid}"), on_stdout=order.append
+        )
+        plain = await session.run("count:1", on_start=order.append)  # alone, it streams too
+    assert order == [f"start {execution.id}", "0\n", "1\n", plain.id]
+    assert execution.id == execution.record.execution_id and plain.stdout == "0\n"

@@ -342,3 +342,32 @@ def test_an_interrupt_is_marked_next_to_its_keyboard_interrupt() -> None:
     assert c.outputs[-1].text == "[kernelhub: interrupted]\n"
     assert c.metadata["tags"] == [RERUN_SKIP_TAG]
     assert "the cell below: interrupted" in nb.cells[nb.cells.index(c) - 1].source
+
+
+def _shifted(pair: tuple[Row, list[Event]], by: int) -> tuple[Row, list[Event]]:
+    row, events = pair
+    return row, [e.model_copy(update={"seq": e.seq + by}) for e in events]
+
+
+def test_counts_keep_going_up_across_a_recovery_shown_as_its_own_cell() -> None:
+    died = execution("e2", "boom()", [], ExecutionStatus.KERNEL_DIED, EndedBy.KERNEL_DEATH, 2)
+    recovery = NoticeEvent(execution_id="", seq=150, message="the kernel died (oom); recovered")
+    runs = [
+        _shifted(execution("e1", "a = 1", [], count=1), 0),
+        _shifted(died, 100),
+        _shifted(execution("e3", "a", [ResultEvent(execution_id="", data={"text/plain": "1"}, execution_count=1)], count=1), 200),
+        _shifted(execution("e4", "b = 2", [], count=2), 300),
+    ]  # fmt: skip
+    nb = to_notebook(SESSION, runs, [recovery])
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == [1, 2, 3, 4]
+    assert code[2].outputs[0].execution_count == 3
+    assert code[2].metadata.kernelhub.kernel_execution_count == 1
+    order = [c.metadata.get("kernelhub", {}).get("execution_id") or c.source for c in nb.cells]
+    note = order.index("**⚠ kernelhub — the kernel died \\(oom\\); recovered**")
+    assert order.index("e2") < note < order.index("e3")
+    assert RERUN_SKIP_TAG not in nb.cells[note].metadata.get("tags", [])
+    page = to_html(nb)
+    assert "<strong>⚠ kernelhub — the kernel died (oom); recovered</strong>" in page
+    assert re.findall(r"In \[(\d+)\]", page) == ["1", "2", "3", "4"]
