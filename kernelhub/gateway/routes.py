@@ -8,11 +8,10 @@ from typing import Annotated, Literal
 import nbformat
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kernelhub.export import to_html, to_notebook
-from kernelhub.gateway.auth import admin, client_address, principal
+from kernelhub.gateway.auth import admin, client_address, metrics_reader, principal
 from kernelhub.session.batches import BatchRunner
 from kernelhub.session.manager import SessionManager, execution_info
 from kernelhub.store.sqlite import Principal
@@ -36,6 +35,7 @@ from kernelhub.wire import (
 router = APIRouter()
 Caller = Annotated[Principal, Depends(principal)]
 Admin = Annotated[Principal, Depends(admin)]
+MetricsReader = Annotated[Principal, Depends(metrics_reader)]
 ERRORS: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 422, 429, 503)
 }
@@ -62,11 +62,18 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
 
-@router.get("/metrics", tags=["health"])
-async def metrics(request: Request) -> Response:
-    return PlainTextResponse(
-        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
-    )
+@router.get("/metrics", responses=ERRORS, tags=["health"])
+async def metrics(request: Request, caller: MetricsReader) -> Response:
+    """Any valid token (or KERNELHUB_GATEWAY__METRICS_TOKEN) reads the totals; only an
+    admin also sees the per-session series, which name every tenant's sessions."""
+    text = request.app.state.metrics.exposition(per_session=caller.admin)
+    return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/whoami", responses=ERRORS, tags=["tokens"])
+async def whoami(caller: Caller) -> Principal:
+    """The principal the token stands for (the MCP server checks its clients' tokens here)."""
+    return caller
 
 
 @router.post("/v1/sessions", status_code=201, responses=ERRORS, tags=["sessions"])

@@ -15,9 +15,10 @@ import logging
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import TypeAdapter, ValidationError
 
-from kernelhub.errors import AuthError, KernelhubError, NotFoundError
-from kernelhub.gateway.auth import client_address, websocket_principal
-from kernelhub.gateway.errors import status_for
+from kernelhub.errors import AuthError, KernelhubError, NotFoundError, QuotaError
+from kernelhub.gateway.auth import authenticate, client_address, websocket_token
+from kernelhub.gateway.connections import StreamRegistry
+from kernelhub.gateway.errors import response_for, status_for
 from kernelhub.gateway.ws_protocol import FLUSH_NOW, RECEIVE_TEXT_NOW, SEND_TEXT_NOW
 from kernelhub.models import QUIET_EVENT_TYPES
 from kernelhub.session.fanout import Published, Subscriber
@@ -100,19 +101,46 @@ class _Sender:
 @router.websocket("/v1/sessions/{session_id}/stream")
 async def stream(ws: WebSocket, session_id: str) -> None:
     manager: SessionManager = ws.app.state.manager
+    streams: StreamRegistry = ws.app.state.streams
+    token = websocket_token(ws)
     try:
-        principal = await websocket_principal(ws)
+        principal = await authenticate(manager.store, token)
+        assert token is not None
         live = manager.live(principal, session_id)
         since = int(ws.query_params.get("since", "0"))
         if since < 0:
             raise ValueError
-    except (AuthError, NotFoundError, ValueError) as exc:
-        # Accept, then close with an application code: closing before the handshake only
-        # gives the client a bare HTTP 403, with no reason it can act on.
+        opened = streams.open(principal.name, live.id, token)
+    except (AuthError, QuotaError) as exc:
+        # Refused before the handshake completes: an HTTP status and the usual JSON body
+        # (a client that cannot read it still sees 401/429).
+        if "websocket.http.response" in ws.scope.get("extensions", {}):
+            await ws.send_denial_response(response_for(exc))
+            return
         code, reason = _refusal(exc)
         await ws.accept()
         await ws.close(code=code, reason=reason)
         return
+    except (NotFoundError, ValueError) as exc:
+        # Accept, then close with an application code the SDK turns into its error.
+        code, reason = _refusal(exc)
+        await ws.accept()
+        await ws.close(code=code, reason=reason)
+        return
+    try:
+        await _serve(ws, manager, principal, live, since, opened.revoked)
+    finally:
+        streams.close(opened)
+
+
+async def _serve(
+    ws: WebSocket,
+    manager: SessionManager,
+    principal: Principal,
+    live: LiveSession,
+    since: int,
+    revoked: asyncio.Future[None],
+) -> None:
     await ws.accept()
     sender = _Sender(ws)
     budget = ws.app.state.settings.gateway.stream_buffer_bytes
@@ -120,19 +148,25 @@ async def stream(ws: WebSocket, session_id: str) -> None:
     pump = asyncio.create_task(_send_events(manager, live, sub, sender, since))
     try:
         receive = asyncio.create_task(_receive(ws, sender, manager, principal, live))
-        done, _ = await asyncio.wait({pump, receive}, return_when=asyncio.FIRST_COMPLETED)
+        waits: set[asyncio.Future[object]] = {pump, receive, revoked}  # type: ignore[arg-type]
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in (pump, receive):
             if task not in done:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-        if pump in done and not pump.cancelled() and pump.exception() is not None:
+        closing: tuple[int, str] | None = None
+        if revoked in done:
+            log.info("session %s: closing a stream whose token was revoked", live.id)
+            closing = CloseCode.UNAUTHORIZED, "the token was revoked"
+        elif pump in done and not pump.cancelled() and pump.exception() is not None:
             log.error("session %s: stream sender failed", live.id, exc_info=pump.exception())
-        if pump in done and not pump.cancelled() and pump.exception() is None:
-            code, reason = pump.result()
+        elif pump in done and not pump.cancelled():
+            closing = pump.result()
+        if closing is not None:
             with contextlib.suppress(Exception):
                 # Generous: a stalled client gets the close frame once it reads again.
-                await asyncio.wait_for(ws.close(code=code, reason=reason), 15.0)
+                await asyncio.wait_for(ws.close(code=closing[0], reason=closing[1]), 15.0)
     finally:
         live.fanout.unsubscribe(sub)
 
@@ -145,6 +179,8 @@ def _event_frame(body: str) -> str:
 def _refusal(exc: Exception) -> tuple[int, str]:
     if isinstance(exc, AuthError):
         return CloseCode.UNAUTHORIZED, str(exc)[:120]
+    if isinstance(exc, QuotaError):
+        return CloseCode.POLICY, str(exc)[:120]
     if isinstance(exc, NotFoundError):
         return CloseCode.NOT_FOUND, "no such session (or not yours)"
     return CloseCode.POLICY, "since must be a non-negative integer"

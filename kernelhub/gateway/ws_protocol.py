@@ -28,6 +28,13 @@ Under :data:`RECEIVE_TEXT_NOW`, ``receive_text_now(handler)`` has text frames of
 ``handler(text) -> bool`` as they arrive; the stream takes an ``execute`` there and hands
 its cell to the kernel in the same callback. An app served by another server simply
 finds no extensions.
+
+Every connection also has a watchdog (:class:`_TurnBufferedTransport`): a client that takes
+nothing of what is unsent for ``stall_timeout`` seconds, or for one check while more than
+``buffer_bytes`` wait, is cut (the connection is aborted, which frees its buffer). The
+stream's own deadline covers only frames sent through ASGI; a frame written directly (or
+the last frame of a cell) waits in the socket's buffer with nobody waiting on it, and 20
+non-reading clients of one 40 MB frame kept ~1 GB for as long as they stayed (issue 16).
 """
 
 from __future__ import annotations
@@ -55,15 +62,35 @@ log = logging.getLogger(__name__)
 class _TurnBufferedTransport:
     """Writes are joined and sent at the end of the loop turn, or held a little longer on
     request (:meth:`flush` with ``hold``); everything else is the real transport's
-    (closing sends what is buffered first)."""
+    (closing sends what is buffered first).
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    While anything is unsent, a check every ``stall_timeout / 4`` seconds (1 s at most)
+    measures what the client took since the last one; ``on_stall`` is called once when it
+    took nothing for ``stall_timeout`` seconds, or for one check with more than
+    ``buffer_bytes`` unsent."""
+
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        stall_timeout: float | None = None,
+        buffer_bytes: int | None = None,
+        on_stall: Callable[[str], None] | None = None,
+    ) -> None:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._end_of_turn: asyncio.Handle | None = None
         self._held: asyncio.TimerHandle | None = None
+        self._stall_timeout = stall_timeout
+        self._buffer_bytes = buffer_bytes
+        self._on_stall = on_stall
+        self._handed = 0  # bytes given to the real transport, ever
+        self._taken = 0  # of those, what had left its buffer at the last check
+        self._last_progress = 0.0
+        self._watch: asyncio.TimerHandle | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -102,10 +129,51 @@ class _TurnBufferedTransport:
         self._pending_bytes = 0
         if not self._transport.is_closing():
             self._transport.write(data)
+            self._handed += len(data)
+            if self._watch is None and self._stall_timeout is not None:
+                self._taken = self._handed - self._transport.get_write_buffer_size()
+                self._last_progress = self._loop.time()
+                self._arm()
+
+    def _arm(self) -> None:
+        assert self._stall_timeout is not None
+        self._watch = self._loop.call_later(min(1.0, self._stall_timeout / 4), self._check)
+
+    def _check(self) -> None:
+        self._watch = None
+        if self._transport.is_closing() or self._stall_timeout is None:
+            return
+        unsent = self._transport.get_write_buffer_size()
+        if unsent + self._pending_bytes == 0:
+            return  # all taken: the next write re-arms
+        taken = self._handed - unsent
+        now = self._loop.time()
+        if taken > self._taken:
+            self._taken = taken
+            self._last_progress = now
+        elif self._buffer_bytes is not None and unsent > self._buffer_bytes:
+            self._stalled(f"{unsent} bytes unsent, over the buffer of {self._buffer_bytes}")
+            return
+        elif now - self._last_progress >= self._stall_timeout:
+            self._stalled(f"nothing read for {now - self._last_progress:.1f} s")
+            return
+        self._arm()
+
+    def _stalled(self, why: str) -> None:
+        if self._on_stall is not None:
+            self._on_stall(why)
 
     def close(self) -> None:
         self._send()
         self._transport.close()
+
+    def abort(self) -> None:
+        self._pending = []
+        self._pending_bytes = 0
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        self._transport.abort()
 
     def get_write_buffer_size(self) -> int:
         return self._transport.get_write_buffer_size() + self._pending_bytes
@@ -115,7 +183,11 @@ class _TurnBufferedTransport:
 
 
 class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
-    """Pass as ``uvicorn.run(..., ws=TurnBufferedWebSocketProtocol)``."""
+    """Pass as ``uvicorn.run(..., ws=websocket_protocol(...))`` (or this class, for the
+    default watchdog limits below)."""
+
+    stall_timeout: float | None = 30.0
+    buffer_bytes: int | None = 8 * 1024 * 1024
 
     _on_text: Callable[[str], bool] | None = None
 
@@ -123,7 +195,20 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
         super().connection_made(transport)  # reads addresses from the real transport
         # (uvloop's transports are not asyncio.Transport subclasses: no isinstance check)
         real = cast(asyncio.Transport, transport)
-        self.transport = _TurnBufferedTransport(real, asyncio.get_running_loop())  # type: ignore[assignment]
+        self.transport = _TurnBufferedTransport(  # type: ignore[assignment]
+            real,
+            asyncio.get_running_loop(),
+            stall_timeout=self.stall_timeout,
+            buffer_bytes=self.buffer_bytes,
+            on_stall=self._cut,
+        )
+
+    def _cut(self, why: str) -> None:
+        # A close frame would wait behind what the client does not read: abort, which
+        # drops the buffer at once. The client sees the connection drop (1006) and
+        # reconnects with `since`, losing nothing.
+        log.warning("cutting WebSocket client %s, which stopped reading: %s", self.client, why)
+        self.transport.abort()
 
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)
@@ -189,3 +274,15 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
                 self.frames = []
                 return
         super().send_receive_event_to_app()
+
+
+def websocket_protocol(
+    stall_timeout: float | None, buffer_bytes: int | None
+) -> type[TurnBufferedWebSocketProtocol]:
+    """A :class:`TurnBufferedWebSocketProtocol` whose watchdog has these limits (the
+    gateway's ``stream_stall_timeout`` and ``stream_buffer_bytes``)."""
+    return type(
+        "ConfiguredWebSocketProtocol",
+        (TurnBufferedWebSocketProtocol,),
+        {"stall_timeout": stall_timeout, "buffer_bytes": buffer_bytes},
+    )
