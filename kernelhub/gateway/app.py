@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kernelhub import __version__
 from kernelhub.config import Settings
@@ -68,25 +68,15 @@ class OriginGuard:
             try:
                 check_origin(headers.get("origin"), headers.get("host"), self.allowed)
             except ForbiddenError as exc:
-                response = response_for(exc)
-                if scope["type"] == "http":
-                    await response(scope, receive, send)
-                    return
-                if "websocket.http.response" in scope.get("extensions", {}):
-                    await response(scope, receive, _denial(send))
-                else:  # a server without the denial extension: refuse the handshake bare
+                if scope["type"] == "websocket" and "websocket.http.response" not in scope.get(
+                    "extensions", {}
+                ):  # a server without the denial extension: refuse the handshake bare
                     await send({"type": "websocket.close", "code": 1008})
+                    return
+                # (Starlette's response sends a WebSocket denial in a websocket scope.)
+                await response_for(exc)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _denial(send: Send) -> Send:
-    """An HTTP response sent as a WebSocket denial (``websocket.http.response.*``)."""
-
-    async def deny(message: Message) -> None:
-        await send({**message, "type": "websocket." + message["type"]})
-
-    return deny
 
 
 def create_app(settings: Settings) -> FastAPI:

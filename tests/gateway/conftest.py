@@ -92,15 +92,21 @@ class Gateway:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
 
+RUN_DIR = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
+
+
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Gateway]:
-    run_dir = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
-    gw = Gateway(tmp_path / "data", run_dir)
+    gw = Gateway(tmp_path / "data", RUN_DIR)
     gw.start()
     yield gw
     gw.stop()
-    # A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
-    # test removes them (by label, as any cleanup must).
+    remove_sandboxes()
+
+
+def remove_sandboxes() -> None:
+    """A stopping gateway leaves its sandboxes running for re-adoption, on purpose; tests
+    remove them (by label, as any cleanup must)."""
     import docker
 
     client = docker.from_env()
