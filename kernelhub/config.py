@@ -123,7 +123,7 @@ class GatewaySettings(BaseModel):
         "never wait. 0: nothing waits",
     )
     max_streams_per_session: int = Field(
-        16, ge=1, description="open WebSocket streams on one session; the next is refused (429)"
+        32, ge=1, description="open WebSocket streams on one session; the next is refused (429)"
     )
     max_streams_per_principal: int = Field(
         64, ge=1, description="open WebSocket streams of one principal, all its sessions"
