@@ -19,6 +19,7 @@ from kernelhub.gateway.ws_protocol import (
     TurnBufferedWebSocketProtocol,
     _TurnBufferedTransport,
 )
+from tests.conftest import eventually
 
 
 class _CountingTransport:
@@ -227,3 +228,58 @@ async def test_receive_text_now_takes_frames_as_they_arrive_on_a_real_server() -
         await asyncio.sleep(0.1)
     assert taken == ["now 1", "now 4"]
     assert received == ["later 2", "boom", "slow", "now 3"]
+
+
+async def _watched(
+    stall_timeout: float, buffer_bytes: int
+) -> tuple[_TurnBufferedTransport, socket.socket, list[str]]:
+    """A watched transport whose peer reads only when the test says so."""
+    counting, peer = await _pair()
+    stalls: list[str] = []
+    watched = _TurnBufferedTransport(
+        counting,  # type: ignore[arg-type]
+        asyncio.get_running_loop(),
+        stall_timeout=stall_timeout,
+        buffer_bytes=buffer_bytes,
+        on_stall=stalls.append,
+    )
+    return watched, peer, stalls
+
+
+async def test_a_peer_that_takes_nothing_is_reported_once_past_the_stall_timeout() -> None:
+    watched, peer, stalls = await _watched(stall_timeout=0.2, buffer_bytes=256 * 2**20)
+    watched.write(b"x" * 4 * 2**20)  # more than the socket takes, less than the buffer
+    await asyncio.sleep(0)
+    assert watched.get_write_buffer_size() > 0
+    await eventually(lambda: bool(stalls), 2)
+    assert stalls[0].startswith("nothing read for")
+    watched.abort()
+    assert watched.get_write_buffer_size() == 0 or watched.is_closing()
+    peer.close()
+
+
+async def test_more_than_the_buffer_unsent_is_reported_at_the_first_check() -> None:
+    watched, peer, stalls = await _watched(stall_timeout=30.0, buffer_bytes=256 * 1024)
+    watched.write(b"x" * 4 * 2**20)
+    await eventually(lambda: bool(stalls), 3)  # a check a second, not 30 s
+    assert "over the buffer" in stalls[0]
+    watched.abort()
+    peer.close()
+
+
+async def test_a_peer_that_keeps_reading_is_never_reported() -> None:
+    watched, peer, stalls = await _watched(stall_timeout=0.2, buffer_bytes=256 * 1024)
+    total = 16 * 2**20
+    for _ in range(16):
+        watched.write(b"x" * 2**20)
+    got = 0
+
+    def read_slowly() -> None:
+        nonlocal got
+        while got < total:
+            got += len(peer.recv(256 * 1024))
+
+    await asyncio.to_thread(read_slowly)
+    assert got == total and stalls == []
+    watched.close()
+    peer.close()
