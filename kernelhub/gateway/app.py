@@ -105,6 +105,7 @@ def create_app(settings: Settings) -> FastAPI:
 
         app.state.settings = settings
         app.state.streams = streams
+        app.state.frames = stream.SharedFrames()
         app.state.store = store
         app.state.manager = manager
         app.state.batches = batches

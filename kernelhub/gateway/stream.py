@@ -19,7 +19,12 @@ from kernelhub.errors import AuthError, KernelhubError, NotFoundError, QuotaErro
 from kernelhub.gateway.auth import authenticate, client_address, websocket_token
 from kernelhub.gateway.connections import StreamRegistry
 from kernelhub.gateway.errors import response_for, status_for
-from kernelhub.gateway.ws_protocol import FLUSH_NOW, RECEIVE_TEXT_NOW, SEND_TEXT_NOW
+from kernelhub.gateway.ws_protocol import (
+    FLUSH_NOW,
+    RECEIVE_TEXT_NOW,
+    SEND_FRAME_NOW,
+    SEND_TEXT_NOW,
+)
 from kernelhub.models import QUIET_EVENT_TYPES
 from kernelhub.session.fanout import Published, Subscriber
 from kernelhub.session.manager import LiveSession, SessionManager
@@ -60,12 +65,19 @@ class _Sender:
         self.lock = asyncio.Lock()
         extensions = ws.scope.get("extensions", {})
         self.now = extensions.get(SEND_TEXT_NOW)
+        self.frame_now = extensions.get(SEND_FRAME_NOW)
         self.flush_now = extensions.get(FLUSH_NOW)
         self.waiting = 0  # frames on their way through ASGI (queued on the lock included)
         self._sending: set[asyncio.Task[None]] = set()
 
     def try_now(self, text: str) -> bool:
         return self.now is not None and self.waiting == 0 and self.now(text)
+
+    def try_frame_now(self, payload: bytes) -> bool:
+        """:meth:`try_now` for a frame already encoded (and maybe shared with other clients)."""
+        if self.frame_now is None:
+            return self.try_now(payload.decode())
+        return self.waiting == 0 and self.frame_now(payload)
 
     async def send(self, text: str, *, wait: float = 0.0) -> None:
         """Send a frame; with ``wait``, it may wait that long for the frame that follows,
@@ -145,7 +157,8 @@ async def _serve(
     sender = _Sender(ws)
     budget = ws.app.state.settings.gateway.stream_buffer_bytes
     sub = live.fanout.subscribe(budget)
-    pump = asyncio.create_task(_send_events(manager, live, sub, sender, since))
+    frames: SharedFrames = ws.app.state.frames
+    pump = asyncio.create_task(_send_events(manager, live, sub, sender, since, frames))
     try:
         receive = asyncio.create_task(_receive(ws, sender, manager, principal, live))
         waits: set[asyncio.Future[object]] = {pump, receive, revoked}  # type: ignore[arg-type]
@@ -176,6 +189,29 @@ def _event_frame(body: str) -> str:
     return '{"type":"event","event":' + body + "}"
 
 
+class SharedFrames:
+    """The encoded frame of the event being fanned out, made once for all its session's
+    clients: the fan-out offers one event to every subscriber in turn, in one callback, so
+    one slot suffices. It is let go at the end of the loop turn; what a slow client has
+    not taken yet, its connection keeps by reference (``ws_protocol.send_frame_now``)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, int] | None = None
+        self._frame = b""
+        self._drop: asyncio.Handle | None = None
+
+    def get(self, session_id: str, item: Published) -> bytes:
+        if self._key != (session_id, item.seq):
+            self._key = (session_id, item.seq)
+            self._frame = _event_frame(item.body).encode()
+            if self._drop is None:
+                self._drop = asyncio.get_running_loop().call_soon(self._forget)
+        return self._frame
+
+    def _forget(self) -> None:
+        self._key, self._frame, self._drop = None, b"", None
+
+
 def _refusal(exc: Exception) -> tuple[int, str]:
     if isinstance(exc, AuthError):
         return CloseCode.UNAUTHORIZED, str(exc)[:120]
@@ -187,7 +223,12 @@ def _refusal(exc: Exception) -> tuple[int, str]:
 
 
 async def _send_events(
-    manager: SessionManager, live: LiveSession, sub: Subscriber, sender: _Sender, since: int
+    manager: SessionManager,
+    live: LiveSession,
+    sub: Subscriber,
+    sender: _Sender,
+    since: int,
+    frames: SharedFrames,
 ) -> tuple[int, str]:
     """Replay from the store, then forward live events; returns the close code and reason.
 
@@ -202,6 +243,7 @@ async def _send_events(
     """
     stall = manager.settings.gateway.stream_stall_timeout
     window = manager.settings.gateway.coalesce_window
+
     last = since  # the newest event sent
     quiet = False  # the newest event sent directly may wait for company (QUIET_EVENT_TYPES)
 
@@ -214,7 +256,7 @@ async def _send_events(
         nonlocal last, quiet
         if item.seq <= last:
             return True  # replayed already
-        if not sender.try_now(_event_frame(item.body)):
+        if not sender.try_frame_now(frames.get(live.id, item)):
             return False
         last = item.seq
         quiet = item.kind in QUIET_EVENT_TYPES
