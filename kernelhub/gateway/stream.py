@@ -123,18 +123,14 @@ async def stream(ws: WebSocket, session_id: str) -> None:
         if since < 0:
             raise ValueError
         opened = streams.open(principal.name, live.id, token)
-    except (AuthError, QuotaError) as exc:
-        # Refused before the handshake completes: an HTTP status and the usual JSON body
-        # (a client that cannot read it still sees 401/429).
-        if "websocket.http.response" in ws.scope.get("extensions", {}):
+    except (AuthError, QuotaError, NotFoundError, ValueError) as exc:
+        # No valid token, or over a limit: refused before the handshake completes, with an
+        # HTTP status and the usual JSON body. The rest (and everything, on a server
+        # without the denial extension): accept, then close with an application code.
+        denial = "websocket.http.response" in ws.scope.get("extensions", {})
+        if denial and isinstance(exc, AuthError | QuotaError):
             await ws.send_denial_response(response_for(exc))
             return
-        code, reason = _refusal(exc)
-        await ws.accept()
-        await ws.close(code=code, reason=reason)
-        return
-    except (NotFoundError, ValueError) as exc:
-        # Accept, then close with an application code the SDK turns into its error.
         code, reason = _refusal(exc)
         await ws.accept()
         await ws.close(code=code, reason=reason)
