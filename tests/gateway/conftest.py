@@ -92,12 +92,13 @@ class Gateway:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
 
-RUN_DIR = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
+def gateway_run_dir() -> Path:
+    return Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
 
 
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Gateway]:
-    gw = Gateway(tmp_path / "data", RUN_DIR)
+    gw = Gateway(tmp_path / "data", gateway_run_dir())
     gw.start()
     yield gw
     gw.stop()
@@ -105,8 +106,8 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
 
 
 def remove_sandboxes() -> None:
-    """A stopping gateway leaves its sandboxes running for re-adoption, on purpose; tests
-    remove them (by label, as any cleanup must)."""
+    """A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
+    tests remove them (by label, as any cleanup must)."""
     import docker
 
     client = docker.from_env()

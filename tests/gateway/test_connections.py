@@ -26,7 +26,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.conftest import UNIT, eventually
-from tests.gateway.conftest import RUN_DIR, Gateway, remove_sandboxes
+from tests.gateway.conftest import Gateway, gateway_run_dir, remove_sandboxes
 
 pytestmark = pytest.mark.docker
 
@@ -53,7 +53,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "KERNELHUB_GATEWAY__ALLOWED_ORIGINS": json.dumps([ALLOWED]),
         "KERNELHUB_GATEWAY__METRICS_TOKEN": METRICS_TOKEN,
     }
-    gateway = Gateway(tmp_path_factory.mktemp("conns") / "data", RUN_DIR, **env)
+    gateway = Gateway(tmp_path_factory.mktemp("conns") / "data", gateway_run_dir(), **env)
     gateway.start()
     yield gateway
     gateway.stop()
