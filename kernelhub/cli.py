@@ -306,7 +306,8 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
     import uvicorn
 
     from kernelhub.gateway.app import create_app
-    from kernelhub.gateway.ws_protocol import TurnBufferedWebSocketProtocol
+    from kernelhub.gateway.connections import fit_descriptor_limit, http_protocol
+    from kernelhub.gateway.ws_protocol import websocket_protocol
 
     gateway = settings.gateway.model_copy(
         update={k: v for k, v in (("host", host), ("port", port)) if v is not None}
@@ -323,6 +324,7 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
         f"kernelhub gateway on http://{gateway.host}:{gateway.port} (data in {settings.data_dir})",
         flush=True,
     )
+    connections = fit_descriptor_limit(gateway.max_connections)
     uvicorn.run(
         create_app(settings),
         host=gateway.host,
@@ -330,7 +332,9 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
         log_level="warning",
         ws_max_size=4 * 2**20,
         ws_per_message_deflate=gateway.ws_compression,
-        ws=TurnBufferedWebSocketProtocol,
+        ws=websocket_protocol(gateway.stream_stall_timeout, gateway.stream_buffer_bytes),
+        http=http_protocol(connections, gateway.header_timeout, gateway.body_timeout),
+        limit_concurrency=connections,
     )
     return 0
 

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kernelhub import KERNEL_PROTOCOL_VERSION
@@ -134,6 +134,41 @@ class GatewaySettings(BaseModel):
         "may wait for the frame that follows, to leave in the same write and store commit: a "
         "short cell costs its clients one wake-up and the store one commit. Output and `final` "
         "never wait. 0: nothing waits",
+    )
+    max_streams_per_session: int = Field(
+        32, ge=1, description="open WebSocket streams on one session; the next is refused (429)"
+    )
+    max_streams_per_principal: int = Field(
+        64, ge=1, description="open WebSocket streams of one principal, all its sessions"
+    )
+    max_connections: int = Field(
+        1024,
+        ge=8,
+        description="TCP connections open at once (HTTP and WebSocket); beyond it a new "
+        "connection gets a 503 and is closed. Kept below the process's file-descriptor limit",
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="seconds a client has to send a request's head (slowloris)"
+    )
+    body_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a request body may go without a byte arriving while the "
+        "gateway waits for it",
+    )
+    revocation_check_interval: float = Field(
+        2.0, gt=0, description="seconds between checks that open streams' tokens are still valid"
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="browser origins (`https://app.example.com`) allowed to call the gateway; "
+        "empty: none but the gateway's own. Requests without an Origin (non-browser "
+        "clients) are always allowed",
+    )
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="a token that may read /metrics (and nothing else), for a scraper; "
+        "admin tokens may always read it",
     )
     ws_compression: bool = Field(
         False,

@@ -18,6 +18,7 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     │   └── SessionClosedError   the caller's session has ended (dead or deleted) for good
     ├── NotFoundError            no such session/execution — or it belongs to someone else
     ├── AuthError                missing, unknown or revoked token; or not an admin
+    │   └── ForbiddenError       not allowed from here (a browser origin off the allowlist)
     ├── QuotaError               too many sessions, queued cells or bytes; retry later
     │   └── StorageFullError     a principal's storage quota is used up, or the disk is low
     └── InvalidRequestError      a request the gateway understood but cannot honour
@@ -99,6 +100,10 @@ class AuthError(KernelhubError):
     def __init__(self, message: str, *, admin_required: bool = False) -> None:
         super().__init__(message)
         self.admin_required = admin_required
+
+
+class ForbiddenError(AuthError):
+    """Whoever the caller is, the request is not allowed (e.g. from this browser origin)."""
 
 
 class QuotaError(KernelhubError):

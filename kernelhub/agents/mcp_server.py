@@ -4,7 +4,10 @@
 :data:`~kernelhub.agents.tools.TOOLS` — the same definitions, validation and result
 shaping as :class:`~kernelhub.agents.tools.ToolRunner` — and talks to a kernelhub gateway
 through the SDK (``--url``/``--token``, or ``KERNELHUB_URL``/``KERNELHUB_TOKEN``). HTTP
-binds 127.0.0.1 only.
+binds 127.0.0.1 only, and every HTTP request must carry a kernelhub token
+(``Authorization: Bearer <token>``): the server checks it with the gateway
+(``GET /v1/whoami``) and runs that connection's tools as the token's principal, so its
+sessions are the caller's, not the server's; without a valid token the answer is 401.
 
 Execution is stateful per MCP session: the first tool call on an MCP connection creates
 one kernelhub session for it, later calls reuse it (variables survive), and the MCP
@@ -24,8 +27,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
 import mcp_types as types
 import uvicorn
+from mcp.server.auth.provider import AccessToken
+from mcp.server.auth.settings import AuthSettings
 from mcp.server.connection import Connection
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
@@ -52,6 +58,33 @@ def _connection(ctx: ServerRequestContext[Any, Any]) -> Connection:
     return connection
 
 
+def _caller_token(ctx: ServerRequestContext[Any, Any]) -> str | None:
+    """The kernelhub token an HTTP request was authenticated with (None on stdio)."""
+    request = ctx.request
+    user = request.scope.get("user") if request is not None else None
+    access = getattr(user, "access_token", None)
+    return access.token if isinstance(access, AccessToken) else None
+
+
+class GatewayTokenVerifier:
+    """The MCP SDK's ``TokenVerifier``: a token is valid if the gateway says whose it is."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        async with httpx.AsyncClient(timeout=30.0) as http:
+            try:
+                r = await http.get(
+                    f"{self.url}/v1/whoami", headers={"Authorization": f"Bearer {token}"}
+                )
+            except httpx.HTTPError:
+                return None
+        if r.status_code != 200:
+            return None
+        return AccessToken(token=token, client_id=str(r.json()["name"]), scopes=[])
+
+
 async def _delete(session: AsyncSession) -> None:
     with contextlib.suppress(NotFoundError, SessionEndedError):
         await session.delete()
@@ -69,8 +102,10 @@ def build_server(
     max_chars: int = DEFAULT_MAX_CHARS,
     session_options: dict[str, Any] | None = None,
 ) -> Server[Any]:
-    """An MCP server whose tools run on sessions of ``hub``, one per MCP connection.
-    ``session_options`` are passed to :meth:`AsyncHub.create_session` (limits, metadata)."""
+    """An MCP server whose tools run on sessions of ``hub``, one per MCP connection; a
+    connection authenticated with its own kernelhub token (HTTP) gets its session through
+    a hub of that token instead, on ``hub``'s gateway. ``session_options`` are passed to
+    :meth:`AsyncHub.create_session` (limits, metadata)."""
 
     async def runner_for(ctx: ServerRequestContext[Any, Any]) -> ToolRunner:
         connection = _connection(ctx)
@@ -78,7 +113,12 @@ def build_server(
         async with lock:
             runner: ToolRunner | None = connection.state.get(_RUNNER)
             if runner is None:
-                session = await hub.create_session(**(session_options or {}))
+                owner = hub
+                token = _caller_token(ctx)
+                if token is not None:
+                    owner = AsyncHub(hub.base_url, token)
+                    connection.exit_stack.push_async_callback(owner.close)
+                session = await owner.create_session(**(session_options or {}))
                 connection.exit_stack.push_async_callback(_delete, session)
                 runner = ToolRunner(session, max_chars=max_chars)
                 connection.state[_RUNNER] = runner
@@ -122,15 +162,20 @@ def build_server(
 
 
 async def serve(
-    url: str, token: str, transport: str, port: int, *, max_chars: int = DEFAULT_MAX_CHARS
+    url: str, token: str | None, transport: str, port: int, *, max_chars: int = DEFAULT_MAX_CHARS
 ) -> None:
-    async with AsyncHub(url, token) as hub:
+    """Serve on stdio with ``token``, or on HTTP with each client's own token."""
+    async with AsyncHub(url, token or "") as hub:
         server = build_server(hub, max_chars=max_chars)
         if transport == "stdio":
             async with stdio_server() as (read, write):
                 await server.run(read, write, server.create_initialization_options())
             return
-        app = server.streamable_http_app(host="127.0.0.1")
+        app = server.streamable_http_app(
+            host="127.0.0.1",
+            auth=AuthSettings(issuer_url=hub.base_url, resource_server_url=None),
+            token_verifier=GatewayTokenVerifier(hub.base_url),
+        )
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
         await uvicorn.Server(config).serve()
 
@@ -143,14 +188,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--transport", choices=["stdio", "http"], default="stdio")
     parser.add_argument("--port", type=int, default=8766, help="HTTP port on 127.0.0.1")
     parser.add_argument("--url", help=f"gateway URL (default: $KERNELHUB_URL or {DEFAULT_URL})")
-    parser.add_argument("--token", help="gateway token (default: $KERNELHUB_TOKEN)")
+    parser.add_argument(
+        "--token",
+        help="gateway token for stdio (default: $KERNELHUB_TOKEN); over HTTP each client "
+        "sends its own (Authorization: Bearer)",
+    )
     parser.add_argument(
         "--max-chars", type=int, default=DEFAULT_MAX_CHARS, help="text budget per tool result"
     )
     args = parser.parse_args(argv)
     url = args.url or os.environ.get("KERNELHUB_URL") or DEFAULT_URL
     token = args.token or os.environ.get("KERNELHUB_TOKEN")
-    if not token:
+    if not token and args.transport == "stdio":
         parser.error("a gateway token is required: pass --token or set KERNELHUB_TOKEN")
     asyncio.run(serve(url, token, args.transport, args.port, max_chars=args.max_chars))
 

@@ -3,18 +3,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from starlette.datastructures import Headers
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kernelhub import __version__
 from kernelhub.config import Settings
+from kernelhub.errors import ForbiddenError
 from kernelhub.gateway import errors, openapi, routes, stream
-from kernelhub.gateway.errors import error_response
+from kernelhub.gateway.auth import check_origin
+from kernelhub.gateway.connections import StreamRegistry
+from kernelhub.gateway.errors import error_response, response_for
 from kernelhub.gateway.metrics import Metrics
 from kernelhub.sandbox.backends import make_backend
 from kernelhub.session.batches import BatchObserver, BatchRunner
@@ -47,6 +54,31 @@ class BodyLimit(BaseHTTPMiddleware):
         return await call_next(request)
 
 
+class OriginGuard:
+    """Refuse requests and WebSocket handshakes from browser origins other than the
+    gateway's own and ``allowed`` (403 before any route runs; a handshake never gets 101)."""
+
+    def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
+        self.app = app
+        self.allowed = list(allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = Headers(scope=scope)
+            try:
+                check_origin(headers.get("origin"), headers.get("host"), self.allowed)
+            except ForbiddenError as exc:
+                if scope["type"] == "websocket" and "websocket.http.response" not in scope.get(
+                    "extensions", {}
+                ):  # a server without the denial extension: refuse the handshake bare
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                # (Starlette's response sends a WebSocket denial in a websocket scope.)
+                await response_for(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -67,20 +99,37 @@ def create_app(settings: Settings) -> FastAPI:
             BatchObserver(on_wait=metrics.on_batch_wait, on_finished=metrics.on_batch_item),
         )
         metrics.watch_batches(batches)
+        streams = StreamRegistry(
+            settings.gateway.max_streams_per_session, settings.gateway.max_streams_per_principal
+        )
+
+        async def valid(token: str) -> bool:
+            return await store.principal_for(token) is not None
+
         app.state.settings = settings
+        app.state.streams = streams
+        app.state.frames = stream.SharedFrames()
         app.state.store = store
         app.state.manager = manager
         app.state.batches = batches
         app.state.metrics = metrics
         app.state.ready = False
+        revocations: asyncio.Task[None] | None = None
         try:
             await manager.start()
             await batches.start()  # after the manager: it deletes leftover batch sessions
+            revocations = asyncio.create_task(
+                streams.watch(valid, settings.gateway.revocation_check_interval)
+            )
             app.state.ready = True
             log.info("kernelhub gateway ready on the %s backend", backend.name)
             yield
         finally:
             app.state.ready = False
+            if revocations is not None:
+                revocations.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await revocations
             await batches.close()  # before the manager: it records and deletes running items
             await manager.close()
             await backend.close()
@@ -92,6 +141,7 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimit, limit=settings.gateway.max_body_bytes)
+    app.add_middleware(OriginGuard, allowed=settings.gateway.allowed_origins)
     errors.install(app)
     openapi.install(app)
     app.include_router(routes.router)

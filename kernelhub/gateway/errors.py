@@ -18,6 +18,7 @@ from kernelhub.errors import (
     AuthError,
     BackendUnavailableError,
     ConfigError,
+    ForbiddenError,
     ImageError,
     InvalidRequestError,
     KernelhubError,
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 # Most specific first: the first matching class decides.
 STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
     (NotFoundError, 404, "not_found"),
+    (ForbiddenError, 403, "forbidden"),
     (AuthError, 401, "unauthorized"),
     (StorageFullError, 507, "storage_full"),
     (QuotaError, 429, "too_many"),
@@ -85,17 +87,24 @@ def json_problem(doc: object, position: object, reason: object) -> str:
     return f"request body is not valid JSON: {reason} at line {line} column {column}"
 
 
+def response_for(exc: KernelhubError) -> JSONResponse:
+    """The answer to ``exc``: its status from the table, its message, and the headers that
+    go with it (``Retry-After``, ``WWW-Authenticate``). Also a refused WebSocket handshake's."""
+    status, code = status_for(exc)
+    headers = {}
+    if isinstance(exc, QuotaError):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    if isinstance(exc, AuthError) and status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return error_response(status, code, str(exc), headers=headers)
+
+
 def install(app: FastAPI) -> None:
     def answer(request: Request, exc: KernelhubError) -> JSONResponse:
-        status, code = status_for(exc)
-        headers = {}
-        if isinstance(exc, QuotaError):
-            headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-        if isinstance(exc, AuthError) and status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        if status >= 500:
+        response = response_for(exc)
+        if response.status_code >= 500:
             log.error("request %s %s failed: %s", request.method, request.url.path, exc)
-        return error_response(status, code, str(exc), headers=headers)
+        return response
 
     @app.exception_handler(KernelhubError)
     async def kernelhub_error(request: Request, exc: KernelhubError) -> JSONResponse:

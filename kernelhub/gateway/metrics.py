@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -19,8 +19,12 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class Metrics:
+    """``registry`` holds what anyone with a token may read; ``session_registry`` the
+    series labelled with session ids (admins only)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.session_registry = CollectorRegistry(auto_describe=True)
         self.executions = Counter(
             "kernelhub_executions",
             "Finished executions by status",
@@ -61,6 +65,12 @@ class Metrics:
 
     def watch(self, manager: SessionManager) -> None:
         self.registry.register(_LiveCollector(manager))
+        self.session_registry.register(_SessionCollector(manager))
+
+    def exposition(self, *, per_session: bool) -> bytes:
+        """The Prometheus text: the totals, and with ``per_session`` the per-session series."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(self.session_registry) if per_session else text
 
     def on_batch_wait(self, seconds: float) -> None:
         self.batch_wait_seconds.observe(seconds)
@@ -90,7 +100,7 @@ class _BatchCollector(Collector):
 
 
 class _LiveCollector(Collector):
-    """Read at scrape time: sessions by state, queue lengths, sandbox CPU and memory."""
+    """Read at scrape time: sessions by state, queue lengths, the pool."""
 
     def __init__(self, manager: SessionManager) -> None:
         self.manager = manager
@@ -98,12 +108,6 @@ class _LiveCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         by_state: dict[str, int] = {}
         queued = GaugeMetricFamily("kernelhub_queue_length", "Executions waiting, all sessions")
-        cpu = GaugeMetricFamily(
-            "kernelhub_sandbox_cpu_seconds", "Sandbox CPU time", labels=["session"]
-        )
-        mem = GaugeMetricFamily(
-            "kernelhub_sandbox_memory_bytes", "Sandbox memory in use", labels=["session"]
-        )
         total_queued = 0
         for live in self.manager.sessions.values():
             state = live.state.value
@@ -112,11 +116,6 @@ class _LiveCollector(Collector):
             by_state[state] = by_state.get(state, 0) + 1
             if live.kernel is not None and live.kernel.alive:
                 total_queued += live.kernel.queue_length
-                usage = live.kernel.sandbox.usage()
-                if usage.cpu_seconds is not None:
-                    cpu.add_metric([live.id], usage.cpu_seconds)
-                if usage.memory_bytes is not None:
-                    mem.add_metric([live.id], usage.memory_bytes)
         sessions = GaugeMetricFamily(
             "kernelhub_sessions", "Live sessions by state", labels=["state"]
         )
@@ -140,5 +139,27 @@ class _LiveCollector(Collector):
         takes.add_metric(["hit"], pool.hits)
         takes.add_metric(["miss"], pool.misses)
         yield takes
+
+
+class _SessionCollector(Collector):
+    """Read at scrape time: each sandbox's CPU and memory, labelled with its session id."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        cpu = GaugeMetricFamily(
+            "kernelhub_sandbox_cpu_seconds", "Sandbox CPU time", labels=["session"]
+        )
+        mem = GaugeMetricFamily(
+            "kernelhub_sandbox_memory_bytes", "Sandbox memory in use", labels=["session"]
+        )
+        for live in self.manager.sessions.values():
+            if live.kernel is not None and live.kernel.alive:
+                usage = live.kernel.sandbox.usage()
+                if usage.cpu_seconds is not None:
+                    cpu.add_metric([live.id], usage.cpu_seconds)
+                if usage.memory_bytes is not None:
+                    mem.add_metric([live.id], usage.memory_bytes)
         yield cpu
         yield mem

@@ -8,11 +8,10 @@ from typing import Annotated, Any, Literal
 import nbformat
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kernelhub.export import to_html, to_notebook
-from kernelhub.gateway.auth import admin, client_address, principal
+from kernelhub.gateway.auth import admin, client_address, metrics_reader, principal
 from kernelhub.gateway.openapi import WS_SCHEMA_PATH
 from kernelhub.session.batches import BatchRunner
 from kernelhub.session.manager import SessionManager, execution_info
@@ -50,6 +49,7 @@ def refusals(*statuses: int) -> dict[int | str, dict[str, object]]:
 BODY = (400, 413, 415, 422)  # a route that takes a JSON body
 SESSION = (404, 409, 410, 422)  # a route on one of the caller's sessions
 FULL = 507  # a route that stores: the principal's storage quota, or the disk floor
+MetricsReader = Annotated[Principal, Depends(metrics_reader)]
 
 
 def manager(request: Request) -> SessionManager:
@@ -73,11 +73,18 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
 
-@router.get("/metrics", tags=["health"])
-async def metrics(request: Request) -> Response:
-    return PlainTextResponse(
-        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
-    )
+@router.get("/metrics", responses=refusals(), tags=["health"])
+async def metrics(request: Request, caller: MetricsReader) -> Response:
+    """Any valid token (or KERNELHUB_GATEWAY__METRICS_TOKEN) reads the totals; only an
+    admin also sees the per-session series, which name every tenant's sessions."""
+    text = request.app.state.metrics.exposition(per_session=caller.admin)
+    return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/whoami", responses=refusals(), tags=["tokens"])
+async def whoami(caller: Caller) -> Principal:
+    """The principal the token stands for (the MCP server checks its clients' tokens here)."""
+    return caller
 
 
 @router.get(WS_SCHEMA_PATH, tags=["stream"])

@@ -15,10 +15,22 @@ import logging
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import TypeAdapter, ValidationError
 
-from kernelhub.errors import AuthError, KernelhubError, NotFoundError, SessionClosedError
-from kernelhub.gateway.auth import client_address, websocket_principal
-from kernelhub.gateway.errors import status_for
-from kernelhub.gateway.ws_protocol import FLUSH_NOW, RECEIVE_TEXT_NOW, SEND_TEXT_NOW
+from kernelhub.errors import (
+    AuthError,
+    KernelhubError,
+    NotFoundError,
+    QuotaError,
+    SessionClosedError,
+)
+from kernelhub.gateway.auth import authenticate, client_address, websocket_token
+from kernelhub.gateway.connections import StreamRegistry
+from kernelhub.gateway.errors import response_for, status_for
+from kernelhub.gateway.ws_protocol import (
+    FLUSH_NOW,
+    RECEIVE_TEXT_NOW,
+    SEND_FRAME_NOW,
+    SEND_TEXT_NOW,
+)
 from kernelhub.models import QUIET_EVENT_TYPES
 from kernelhub.session.fanout import Published, Subscriber
 from kernelhub.session.manager import LiveSession, SessionManager
@@ -60,12 +72,19 @@ class _Sender:
         self.lock = asyncio.Lock()
         extensions = ws.scope.get("extensions", {})
         self.now = extensions.get(SEND_TEXT_NOW)
+        self.frame_now = extensions.get(SEND_FRAME_NOW)
         self.flush_now = extensions.get(FLUSH_NOW)
         self.waiting = 0  # frames on their way through ASGI (queued on the lock included)
         self._sending: set[asyncio.Task[None]] = set()
 
     def try_now(self, text: str) -> bool:
         return self.now is not None and self.waiting == 0 and self.now(text)
+
+    def try_frame_now(self, payload: bytes) -> bool:
+        """:meth:`try_now` for a frame already encoded (and maybe shared with other clients)."""
+        if self.frame_now is None:
+            return self.try_now(payload.decode())
+        return self.waiting == 0 and self.frame_now(payload)
 
     async def send(self, text: str, *, wait: float = 0.0) -> None:
         """Send a frame; with ``wait``, it may wait that long for the frame that follows,
@@ -101,39 +120,69 @@ class _Sender:
 @router.websocket("/v1/sessions/{session_id}/stream")
 async def stream(ws: WebSocket, session_id: str) -> None:
     manager: SessionManager = ws.app.state.manager
+    streams: StreamRegistry = ws.app.state.streams
+    token = websocket_token(ws)
     try:
-        principal = await websocket_principal(ws)
+        principal = await authenticate(manager.store, token)
+        assert token is not None
         live = await manager.live(principal, session_id)
         since = int(ws.query_params.get("since", "0"))
         if since < 0:
             raise ValueError
-    except (AuthError, NotFoundError, SessionClosedError, ValueError) as exc:
-        # Accept, then close with an application code: closing before the handshake only
-        # gives the client a bare HTTP 403, with no reason it can act on.
+        opened = streams.open(principal.name, live.id, token)
+    except (AuthError, QuotaError, NotFoundError, SessionClosedError, ValueError) as exc:
+        # No valid token, or over a limit: refused before the handshake completes, with an
+        # HTTP status and the usual JSON body. The rest (and everything, on a server
+        # without the denial extension): accept, then close with an application code.
+        denial = "websocket.http.response" in ws.scope.get("extensions", {})
+        if denial and isinstance(exc, AuthError | QuotaError):
+            await ws.send_denial_response(response_for(exc))
+            return
         code, reason = _refusal(exc)
         await ws.accept()
         await ws.close(code=code, reason=reason)
         return
+    try:
+        await _serve(ws, manager, principal, live, since, opened.revoked)
+    finally:
+        streams.close(opened)
+
+
+async def _serve(
+    ws: WebSocket,
+    manager: SessionManager,
+    principal: Principal,
+    live: LiveSession,
+    since: int,
+    revoked: asyncio.Future[None],
+) -> None:
     await ws.accept()
     sender = _Sender(ws)
     budget = ws.app.state.settings.gateway.stream_buffer_bytes
     sub = live.fanout.subscribe(budget)
-    pump = asyncio.create_task(_send_events(manager, live, sub, sender, since))
+    frames: SharedFrames = ws.app.state.frames
+    pump = asyncio.create_task(_send_events(manager, live, sub, sender, since, frames))
     try:
         receive = asyncio.create_task(_receive(ws, sender, manager, principal, live))
-        done, _ = await asyncio.wait({pump, receive}, return_when=asyncio.FIRST_COMPLETED)
+        waits: set[asyncio.Future[object]] = {pump, receive, revoked}  # type: ignore[arg-type]
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in (pump, receive):
             if task not in done:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-        if pump in done and not pump.cancelled() and pump.exception() is not None:
+        closing: tuple[int, str] | None = None
+        if revoked in done:
+            log.info("session %s: closing a stream whose token was revoked", live.id)
+            closing = CloseCode.UNAUTHORIZED, "the token was revoked"
+        elif pump in done and not pump.cancelled() and pump.exception() is not None:
             log.error("session %s: stream sender failed", live.id, exc_info=pump.exception())
-        if pump in done and not pump.cancelled() and pump.exception() is None:
-            code, reason = pump.result()
+        elif pump in done and not pump.cancelled():
+            closing = pump.result()
+        if closing is not None:
             with contextlib.suppress(Exception):
                 # Generous: a stalled client gets the close frame once it reads again.
-                await asyncio.wait_for(ws.close(code=code, reason=reason), 15.0)
+                await asyncio.wait_for(ws.close(code=closing[0], reason=closing[1]), 15.0)
     finally:
         live.fanout.unsubscribe(sub)
 
@@ -143,9 +192,34 @@ def _event_frame(body: str) -> str:
     return '{"type":"event","event":' + body + "}"
 
 
+class SharedFrames:
+    """The encoded frame of the event being fanned out, made once for all its session's
+    clients: the fan-out offers one event to every subscriber in turn, in one callback, so
+    one slot suffices. It is let go at the end of the loop turn; what a slow client has
+    not taken yet, its connection keeps by reference (``ws_protocol.send_frame_now``)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, int] | None = None
+        self._frame = b""
+        self._drop: asyncio.Handle | None = None
+
+    def get(self, session_id: str, item: Published) -> bytes:
+        if self._key != (session_id, item.seq):
+            self._key = (session_id, item.seq)
+            self._frame = _event_frame(item.body).encode()
+            if self._drop is None:
+                self._drop = asyncio.get_running_loop().call_soon(self._forget)
+        return self._frame
+
+    def _forget(self) -> None:
+        self._key, self._frame, self._drop = None, b"", None
+
+
 def _refusal(exc: Exception) -> tuple[int, str]:
     if isinstance(exc, AuthError):
         return CloseCode.UNAUTHORIZED, str(exc)[:120]
+    if isinstance(exc, QuotaError):
+        return CloseCode.POLICY, str(exc)[:120]
     if isinstance(exc, NotFoundError):
         return CloseCode.NOT_FOUND, "no such session (or not yours)"
     if isinstance(exc, SessionClosedError):
@@ -154,7 +228,12 @@ def _refusal(exc: Exception) -> tuple[int, str]:
 
 
 async def _send_events(
-    manager: SessionManager, live: LiveSession, sub: Subscriber, sender: _Sender, since: int
+    manager: SessionManager,
+    live: LiveSession,
+    sub: Subscriber,
+    sender: _Sender,
+    since: int,
+    frames: SharedFrames,
 ) -> tuple[int, str]:
     """Replay from the store, then forward live events; returns the close code and reason.
 
@@ -169,6 +248,7 @@ async def _send_events(
     """
     stall = manager.settings.gateway.stream_stall_timeout
     window = manager.settings.gateway.coalesce_window
+
     last = since  # the newest event sent
     quiet = False  # the newest event sent directly may wait for company (QUIET_EVENT_TYPES)
 
@@ -181,7 +261,7 @@ async def _send_events(
         nonlocal last, quiet
         if item.seq <= last:
             return True  # replayed already
-        if not sender.try_now(_event_frame(item.body)):
+        if not sender.try_frame_now(frames.get(live.id, item)):
             return False
         last = item.seq
         quiet = item.kind in QUIET_EVENT_TYPES

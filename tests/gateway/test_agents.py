@@ -13,11 +13,13 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import mcp_types
 import pytest
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 
 from kernelhub.agents.example_loop import ScriptedModel, agent_loop
 from kernelhub.agents.tools import ToolRunner
@@ -181,15 +183,19 @@ async def test_mcp_stdio_keeps_state_within_a_session(
         await _no_sessions_left(hub)
 
 
-async def test_mcp_streamable_http(
+async def test_mcp_streamable_http_runs_as_the_callers_token(
     gateway: Gateway, mcp_env: dict[str, str], tmp_path: Path
 ) -> None:
+    # The server gets no token of its own: tools can only run as the client's principal.
+    env = {k: v for k, v in mcp_env.items() if k != "KERNELHUB_TOKEN"}
+    token = mcp_env["KERNELHUB_TOKEN"]
     port = free_port()
+    url = f"http://127.0.0.1:{port}/mcp"
     log = tmp_path / "mcp-http.log"
     with log.open("wb") as sink:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kernelhub.agents.mcp_server", "--transport", "http",
-            "--port", str(port), env=mcp_env, stdout=sink, stderr=sink,
+            "--port", str(port), env=env, stdout=sink, stderr=sink,
         )  # fmt: skip
     try:
         deadline = time.monotonic() + 30 * UNIT
@@ -203,8 +209,24 @@ async def test_mcp_streamable_http(
             except OSError:
                 assert time.monotonic() < deadline, f"no MCP HTTP server: {log.read_text()}"
                 await asyncio.sleep(0.05)
-        await _exercise(streamable_http_client(f"http://127.0.0.1:{port}/mcp"))
-        async with AsyncHub(gateway.url, mcp_env["KERNELHUB_TOKEN"]) as hub:
+        initialize = {
+            "jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                       "clientInfo": {"name": "t", "version": "0"}},
+        }  # fmt: skip
+        accept = {"Accept": "application/json, text/event-stream"}
+        for headers in ({}, {"Authorization": "Bearer kh_not-a-token"}):
+            async with httpx2.AsyncClient(headers={**headers, **accept}) as anonymous:
+                r = await anonymous.post(url, json=initialize)
+                assert r.status_code == 401, r.text
+                assert r.headers["www-authenticate"].startswith("Bearer")
+                with pytest.raises((MCPError, BaseExceptionGroup)):
+                    await _exercise(streamable_http_client(url, http_client=anonymous))
+        async with httpx2.AsyncClient(
+            headers={"Authorization": f"Bearer {token}"}, timeout=120 * UNIT
+        ) as authed:
+            await _exercise(streamable_http_client(url, http_client=authed))
+        async with AsyncHub(gateway.url, token) as hub:
             await _no_sessions_left(hub)
     finally:
         if proc.returncode is None:

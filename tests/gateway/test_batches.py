@@ -132,7 +132,7 @@ async def test_items_run_in_fresh_sessions_with_their_files_and_results(
         assert [b.id for b in listed] == [again.id, info.id] and listed[0].items is None
 
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30 * UNIT) as http:
-        metrics = (await http.get("/metrics")).text
+        metrics = (await http.get("/metrics", headers=auth(token))).text
     assert 'kernelhub_batch_items_total{status="completed"} 5.0' in metrics
     assert "kernelhub_batch_queue_length 0.0" in metrics
     assert "kernelhub_batch_queue_wait_seconds_count 6.0" in metrics
@@ -195,7 +195,7 @@ async def test_capacity_cancel_access_and_bad_requests(make_gateway: Any) -> Non
             assert item["result"]["record"]["ended_by"] == "interrupt", item
             assert "cancelled" in item["error"]
         assert (await http.get("/v1/sessions", headers=auth(alice))).json() == {"sessions": []}
-        metrics = (await http.get("/metrics")).text
+        metrics = (await http.get("/metrics", headers=auth(alice))).text
         assert 'kernelhub_batch_items_total{status="cancelled"} 2.0' in metrics
 
 

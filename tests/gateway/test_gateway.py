@@ -70,7 +70,7 @@ async def test_state_persists_and_openapi_is_served(
     spec = (await http.get("/openapi.json")).json()
     assert "/v1/sessions/{session_id}/executions" in spec["paths"]
     assert (await http.get("/healthz")).status_code == 200
-    metrics = (await http.get("/metrics")).text
+    metrics = (await http.get("/metrics", headers=auth(token))).text
     assert 'kernelhub_executions_total{status="completed"}' in metrics
     assert "kernelhub_sessions" in metrics and "kernelhub_session_start_seconds" in metrics
 

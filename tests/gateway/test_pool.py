@@ -61,7 +61,7 @@ def pooled(tmp_path: Path) -> Any:
 async def test_sessions_take_warm_sandboxes_that_are_never_reused(pooled: Gateway) -> None:
     token = pooled.token("alice")
     h = auth(token)
-    async with httpx.AsyncClient(base_url=pooled.url, timeout=120 * UNIT) as http:
+    async with httpx.AsyncClient(base_url=pooled.url, timeout=120 * UNIT, headers=h) as http:
         await _pool_ready(http, 2)
         pooled_ids = _containers()
         assert len(pooled_ids) == 2
@@ -110,7 +110,9 @@ async def test_an_empty_pool_falls_back_to_a_cold_start(tmp_path: Path) -> None:
     gw.start()
     try:
         token = gw.token("bob")
-        async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
+        async with httpx.AsyncClient(
+            base_url=gw.url, timeout=120 * UNIT, headers=auth(token)
+        ) as http:
             await _pool_ready(http, 1)
             a, b = await asyncio.gather(
                 http.post("/v1/sessions", json={}, headers=auth(token)),

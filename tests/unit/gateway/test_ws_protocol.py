@@ -13,12 +13,14 @@ import uvicorn
 from websockets.asyncio.client import connect
 
 from kernelhub.gateway.ws_protocol import (
+    FEED_BYTES,
     FLUSH_NOW,
     RECEIVE_TEXT_NOW,
     SEND_TEXT_NOW,
     TurnBufferedWebSocketProtocol,
     _TurnBufferedTransport,
 )
+from tests.conftest import eventually
 
 
 class _CountingTransport:
@@ -227,3 +229,102 @@ async def test_receive_text_now_takes_frames_as_they_arrive_on_a_real_server() -
         await asyncio.sleep(0.1)
     assert taken == ["now 1", "now 4"]
     assert received == ["later 2", "boom", "slow", "now 3"]
+
+
+async def _watched(
+    stall_timeout: float, buffer_bytes: int
+) -> tuple[_TurnBufferedTransport, socket.socket, list[str]]:
+    """A watched transport whose peer reads only when the test says so."""
+    counting, peer = await _pair()
+    stalls: list[str] = []
+    watched = _TurnBufferedTransport(
+        counting,  # type: ignore[arg-type]
+        asyncio.get_running_loop(),
+        stall_timeout=stall_timeout,
+        buffer_bytes=buffer_bytes,
+        on_stall=stalls.append,
+        linger=0.4,
+    )
+    return watched, peer, stalls
+
+
+async def test_a_peer_that_takes_nothing_of_a_large_backlog_is_reported_at_the_stall_timeout() -> (
+    None
+):
+    watched, peer, stalls = await _watched(stall_timeout=0.4, buffer_bytes=256 * 1024)
+    t0 = asyncio.get_running_loop().time()
+    watched.write(b"x" * 4 * 2**20)
+    await eventually(lambda: bool(stalls), 3)
+    took = asyncio.get_running_loop().time() - t0
+    assert "over the buffer" in stalls[0] and 0.4 <= took < 0.8, (stalls, took)
+    watched.abort()
+    assert watched.get_write_buffer_size() == 0
+    peer.close()
+
+
+async def test_a_peer_that_takes_nothing_of_a_little_is_reported_a_linger_later() -> None:
+    watched, peer, stalls = await _watched(stall_timeout=0.4, buffer_bytes=256 * 2**20)
+    t0 = asyncio.get_running_loop().time()
+    watched.write(b"x" * 4 * 2**20)  # more than the socket takes, less than the buffer
+    await asyncio.sleep(0)
+    assert watched.get_write_buffer_size() > 0
+    await eventually(lambda: bool(stalls), 3)
+    took = asyncio.get_running_loop().time() - t0
+    assert stalls[0].startswith("nothing read for") and 0.8 <= took < 1.3, (stalls, took)
+    assert len(stalls) == 1
+    watched.abort()
+    peer.close()
+
+
+class _Feeding(asyncio.Protocol):
+    """Feeds a watched transport when the socket drains, as the WebSocket protocol does."""
+
+    watched: _TurnBufferedTransport | None = None
+
+    def resume_writing(self) -> None:
+        if self.watched is not None:
+            self.watched.feed()
+
+
+async def test_a_large_write_waits_as_a_reference_and_leaves_whole_and_in_order() -> None:
+    ours, peer = socket.socketpair()
+    peer.settimeout(5)
+    real, protocol = await asyncio.get_running_loop().create_connection(_Feeding, sock=ours)
+    watched = _TurnBufferedTransport(
+        real,  # type: ignore[arg-type]
+        asyncio.get_running_loop(),
+        stall_timeout=30.0,
+        buffer_bytes=256 * 2**20,
+    )
+    protocol.watched = watched
+    shared = bytes(range(256)) * (8 * 4096)  # 8 MiB, as if shared by many connections
+    watched.write(b"head;")
+    watched.write(shared)
+    watched.write(b";tail")
+    await asyncio.sleep(0)
+    # Only about FEED_BYTES were handed to the socket's transport; the rest waits as it is.
+    assert real.get_write_buffer_size() <= FEED_BYTES
+    assert watched.get_write_buffer_size() > len(shared) // 2
+    watched.close()  # closing waits for the backlog
+    assert watched.is_closing()
+    received = await asyncio.to_thread(_read_all, peer)
+    assert received == b"head;" + shared + b";tail"
+    peer.close()
+
+
+async def test_a_peer_that_keeps_reading_is_never_reported() -> None:
+    watched, peer, stalls = await _watched(stall_timeout=0.2, buffer_bytes=256 * 1024)
+    total = 16 * 2**20
+    for _ in range(16):
+        watched.write(b"x" * 2**20)
+    got = 0
+
+    def read_slowly() -> None:
+        nonlocal got
+        while got < total:
+            got += len(peer.recv(256 * 1024))
+
+    await asyncio.to_thread(read_slowly)
+    assert got == total and stalls == []
+    watched.close()
+    peer.close()
