@@ -292,10 +292,19 @@ class SessionManager(Continuity):
                 f"the gateway runs its maximum of {g.max_sessions} sessions; retry later",
                 retry_after=10,
             )
-        mine = [s for s in alive if s.stored.owner == principal.name]
+        # Dead sessions hold no sandbox any more, but they count until deleted: a
+        # principal cannot pile them up by crashing kernels.
+        mine = [
+            s
+            for s in self.sessions.values()
+            if s.stored.owner == principal.name and s.state != SessionState.DELETED
+        ]
         if len(mine) >= g.max_sessions_per_principal:
+            dead = sum(s.state == SessionState.DEAD for s in mine)
             raise QuotaError(
-                f"you have {len(mine)} sessions, the most allowed per token; delete one first",
+                f"you have {len(mine)} sessions ({dead} of them dead), the most allowed per "
+                "token (KERNELHUB_GATEWAY__MAX_SESSIONS_PER_PRINCIPAL); delete one first "
+                "(DELETE /v1/sessions/{id}, `kernelhub sessions rm`)",
                 retry_after=10,
             )
         # Pooled sandboxes give way to sessions: they are not counted here, and a cold
@@ -521,6 +530,13 @@ class SessionManager(Continuity):
                 log.warning("session %s could not be recovered: %s", live.id, exc)
                 reason = f"{reason}; recovery from the last checkpoint failed: {exc}"
         await self._mark_dead(live, reason)
+        # Dead for good: its container, socket directory and state tmpfs go now, not when
+        # someone deletes the session (what recovery needed is no longer needed).
+        if live.kernel is not None:
+            try:
+                await live.kernel.close()
+            except KernelhubError as exc:
+                log.warning("releasing dead session %s failed: %s", live.id, exc)
 
     async def _mark_dead(self, live: LiveSession, reason: str) -> None:
         live.state = SessionState.DEAD
@@ -574,6 +590,9 @@ class SessionManager(Continuity):
     async def delete(
         self, principal: Principal, session_id: str, client: str | None = None
     ) -> None:
+        if session_id not in self.sessions:
+            await self._delete_stored(principal, session_id, client)
+            return
         live = self._get(principal, session_id)
         live.state = SessionState.DELETED
         if live.kernel is not None:
@@ -585,6 +604,29 @@ class SessionManager(Continuity):
         await self.store.update_session(session_id, state=SessionState.DELETED.value, deleted=True)
         del self.sessions[session_id]
         self.pool.poke()
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.name,
+                action="session.delete",
+                session_id=session_id,
+                client=client,
+            )
+        )
+
+    async def _delete_stored(
+        self, principal: Principal, session_id: str, client: str | None
+    ) -> None:
+        """Delete a session that has no live entry: one that died before this gateway
+        process started (not re-adopted)."""
+        stored = await self.store.get_session(session_id)
+        if (
+            stored is None
+            or stored.state == SessionState.DELETED.value
+            or (stored.owner != principal.name and not principal.admin)
+        ):
+            raise NotFoundError(f"no session {session_id!r} (or it is not yours)")
+        await self.backend.drop_state(session_id)
+        await self.store.update_session(session_id, state=SessionState.DELETED.value, deleted=True)
         await self.store.audit(
             AuditEntry(
                 principal=principal.name,

@@ -1,0 +1,87 @@
+"""remove_tree against what a hostile sandbox can leave in a directory it writes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kernelhub.sandbox.hostdirs import remove_tree
+
+
+def deep_tree(root: Path, depth: int) -> None:
+    """``root/d/d/.../d/leaf`` ``depth`` levels down, built with descriptors (the path is
+    far past PATH_MAX)."""
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+    os.close(fd)
+
+
+def test_a_3000_deep_tree_is_removed(tmp_path: Path) -> None:
+    deep_tree(tmp_path / "ipc", 3000)
+    remove_tree(tmp_path / "ipc")
+    assert not (tmp_path / "ipc").exists()
+
+
+def test_symlinks_are_removed_never_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "host"
+    outside.mkdir()
+    (outside / "precious").write_text("keep")
+    tree = tmp_path / "ipc"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "to-dir").symlink_to(outside)
+    (tree / "sub" / "to-file").symlink_to(outside / "precious")
+    (tree / "dangling").symlink_to(tmp_path / "nowhere")
+    remove_tree(tree)
+    assert not tree.exists()
+    assert (outside / "precious").read_text() == "keep"
+
+
+def test_odd_names_and_locked_directories_are_removed(tmp_path: Path) -> None:
+    tree = tmp_path / "ipc"
+    tree.mkdir()
+    for name in (b"new\nline", b"\xff\xfe-not-utf8", b" ", b"-rf", b"..."):
+        os.makedirs(os.path.join(os.fsencode(tree), name, b"x"))
+        open(os.path.join(os.fsencode(tree), name, b"x", b"f"), "wb").close()
+    locked = tree / "locked"
+    (locked / "inner").mkdir(parents=True)
+    os.mkfifo(locked / "fifo")
+    locked.chmod(0)
+    remove_tree(tree)
+    assert not tree.exists()
+
+
+def test_the_last_name_goes_last_and_stays_when_something_cannot_go(tmp_path: Path) -> None:
+    tree = tmp_path / "session"
+    (tree / "ipc").mkdir(parents=True)
+    (tree / "labels.json").write_text("{}")
+    (tree / "ipc" / "f").write_text("x")
+    remove_tree(tree, last="labels.json")
+    assert not tree.exists()
+
+    (tree / "ipc").mkdir(parents=True)
+    (tree / "labels.json").write_text("{}")
+    (tree / "ipc" / "stuck").write_text("x")
+    if os.geteuid() == 0:
+        pytest.skip("root removes entries of a read-only directory; see the Docker tier")
+    (tree / "ipc").chmod(0o500)
+    try:
+        with pytest.raises(OSError):
+            remove_tree(tree, last="labels.json")
+        assert (tree / "labels.json").is_file()
+    finally:
+        (tree / "ipc").chmod(0o700)
+
+
+def test_a_file_or_a_missing_path(tmp_path: Path) -> None:
+    remove_tree(tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    remove_tree(tmp_path / "file")
+    assert not (tmp_path / "file").exists()
