@@ -533,6 +533,7 @@ class SessionManager(Continuity):
         # Dead for good: its container, socket directory and state tmpfs go now, not when
         # someone deletes the session (what recovery needed is no longer needed).
         if live.kernel is not None:
+            await self._final_out(live.kernel)
             try:
                 await live.kernel.close()
             except KernelhubError as exc:

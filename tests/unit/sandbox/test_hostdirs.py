@@ -85,3 +85,39 @@ def test_a_file_or_a_missing_path(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     remove_tree(tmp_path / "file")
     assert not (tmp_path / "file").exists()
+
+
+def test_the_reaper_removes_only_its_own_gateways_directories(tmp_path: Path) -> None:
+    from kernelhub.kernel.connection import SessionDir
+    from kernelhub.sandbox.base import SandboxSpec, reap_directories
+    from kernelhub.sandbox.state import ensure_state_dir
+
+    def make(sid: str, instance: str, gateway: str) -> None:
+        labels = SandboxSpec(session_id=sid).labels(instance, gateway)
+        SessionDir.create(
+            tmp_path / sid, sandbox_uid=os.geteuid(), sandbox_gid=os.getegid(), labels=labels
+        )
+        ensure_state_dir(
+            tmp_path / f"{sid}.state",
+            uid=os.geteuid(),
+            gid=os.getegid(),
+            size_bytes=2**20,
+            labels=labels,
+        )
+
+    make("mine00", "i", "g1")
+    make("live00", "i", "g1")
+    make("other0", "i", "g2")  # same instance, another data directory
+    make("elsewh", "j", "g1")  # another instance (never in this run_dir in practice)
+    (tmp_path / "nolabl").mkdir()
+    reap_directories(tmp_path, "i", "g1", {"live00"})
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert "mine00" not in left and "mine00.state" not in left and "mine00.state.json" not in left
+    for kept in ("live00", "other0", "elsewh", "nolabl"):
+        assert kept in left
+    for kept in ("live00", "other0", "elsewh"):
+        assert f"{kept}.state" in left
+    for sid in ("live00", "other0", "elsewh"):  # unmount the state tmpfs mounted as root
+        from kernelhub.sandbox.state import drop_state_dir
+
+        drop_state_dir(tmp_path / f"{sid}.state")
