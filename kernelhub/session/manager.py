@@ -591,20 +591,22 @@ class SessionManager(Continuity):
     async def delete(
         self, principal: Principal, session_id: str, client: str | None = None
     ) -> None:
-        if session_id not in self.sessions:
-            await self._delete_stored(principal, session_id, client)
-            return
-        live = self._get(principal, session_id)
-        live.state = SessionState.DELETED
-        if live.kernel is not None:
-            await live.kernel.close()
-        if live.hibernation is not None:
-            await self.store.delete_snapshot(live.hibernation)
-            self.blobs.remove(live.hibernation)
-        await live.fanout.close()
+        if session_id in self.sessions:
+            live = self._get(principal, session_id)
+            live.state = SessionState.DELETED
+            if live.kernel is not None:
+                await live.kernel.close()
+            if live.hibernation is not None:
+                await self.store.delete_snapshot(live.hibernation)
+                self.blobs.remove(live.hibernation)
+            await live.fanout.close()
+        else:
+            await self._check_stored(principal, session_id)
+            # It died before this process started: only its state directory may be left.
+            await self.backend.drop_state(session_id)
         await self.store.update_session(session_id, state=SessionState.DELETED.value, deleted=True)
-        del self.sessions[session_id]
-        self.pool.poke()
+        if self.sessions.pop(session_id, None) is not None:
+            self.pool.poke()
         await self.store.audit(
             AuditEntry(
                 principal=principal.name,
@@ -614,11 +616,9 @@ class SessionManager(Continuity):
             )
         )
 
-    async def _delete_stored(
-        self, principal: Principal, session_id: str, client: str | None
-    ) -> None:
-        """Delete a session that has no live entry: one that died before this gateway
-        process started (not re-adopted)."""
+    async def _check_stored(self, principal: Principal, session_id: str) -> None:
+        """A session with no live entry (dead before this gateway process started) that
+        the principal may delete; ``NotFoundError`` otherwise."""
         stored = await self.store.get_session(session_id)
         if (
             stored is None
@@ -626,16 +626,6 @@ class SessionManager(Continuity):
             or (stored.owner != principal.name and not principal.admin)
         ):
             raise NotFoundError(f"no session {session_id!r} (or it is not yours)")
-        await self.backend.drop_state(session_id)
-        await self.store.update_session(session_id, state=SessionState.DELETED.value, deleted=True)
-        await self.store.audit(
-            AuditEntry(
-                principal=principal.name,
-                action="session.delete",
-                session_id=session_id,
-                client=client,
-            )
-        )
 
     async def stop_all(self, principal: Principal, client: str | None = None) -> int:
         """The emergency stop: every sandbox, now."""
