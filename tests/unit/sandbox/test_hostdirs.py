@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelhub.sandbox.hostdirs import remove_tree
+from kernelhub.sandbox.hostdirs import mount_tmpfs, remove_tree, unmount
 
 
 def deep_tree(root: Path, depth: int) -> None:
@@ -66,18 +66,27 @@ def test_the_last_name_goes_last_and_stays_when_something_cannot_go(tmp_path: Pa
     remove_tree(tree, last="labels.json")
     assert not tree.exists()
 
-    (tree / "ipc").mkdir(parents=True)
+    (tree / "ipc" / "mnt").mkdir(parents=True)
     (tree / "labels.json").write_text("{}")
-    (tree / "ipc" / "stuck").write_text("x")
-    if os.geteuid() == 0:
-        pytest.skip("root removes entries of a read-only directory; see the Docker tier")
-    (tree / "ipc").chmod(0o500)
+    (tree / "ipc" / "other").write_text("x")
+    if os.geteuid() != 0:
+        # Without root, a directory the remover may not write stands in for a mount.
+        (tree / "ipc").chmod(0o500)
+    elif not mount_tmpfs(tree / "ipc" / "mnt", size_bytes=2**20, uid=0, gid=0):
+        pytest.skip("root, but mounting is refused here")
+    else:
+        (tree / "ipc" / "mnt" / "inside").write_text("on the other filesystem")
     try:
         with pytest.raises(OSError):
             remove_tree(tree, last="labels.json")
-        assert (tree / "labels.json").is_file()
+        assert (tree / "labels.json").is_file(), "labels.json went before the rest"
+        if os.geteuid() == 0:  # never walked into the other filesystem
+            assert (tree / "ipc" / "mnt" / "inside").is_file()
     finally:
         (tree / "ipc").chmod(0o700)
+        unmount(tree / "ipc" / "mnt")
+    remove_tree(tree, last="labels.json")
+    assert not tree.exists()
 
 
 def test_a_file_or_a_missing_path(tmp_path: Path) -> None:
