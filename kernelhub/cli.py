@@ -289,13 +289,21 @@ def _image_build_gateway(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _reap(settings: Settings) -> int:
+    from kernelhub.datadir import DataDirLock
     from kernelhub.sandbox.backends import make_backend
 
-    backend = make_backend(settings, instance=settings.gateway.instance)
+    # A running gateway's live sandboxes would look like orphans from here.
+    lock = DataDirLock.acquire(settings.data_dir)
     try:
-        removed = await backend.reap_orphans()
+        backend = make_backend(
+            settings, instance=settings.gateway.instance, gateway_id=lock.gateway_id
+        )
+        try:
+            removed = await backend.reap_orphans()
+        finally:
+            await backend.close()
     finally:
-        await backend.close()
+        lock.release()
     print(f"removed {removed} orphaned sandbox(es)")
     return 0
 
@@ -305,6 +313,7 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
 
     import uvicorn
 
+    from kernelhub.datadir import DataDirLock
     from kernelhub.gateway.app import create_app
     from kernelhub.gateway.connections import fit_descriptor_limit, http_protocol
     from kernelhub.gateway.ws_protocol import websocket_protocol
@@ -317,6 +326,8 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     pin_mmap_threshold()
+    # Before anything touches the data directory: a second gateway on it stops here.
+    lock = DataDirLock.acquire(settings.data_dir)
     first = asyncio.run(_bootstrap_token(settings))
     if first:
         print(f"no tokens existed; created admin token 'admin' (shown once): {first}", flush=True)
@@ -326,7 +337,7 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
     )
     connections = fit_descriptor_limit(gateway.max_connections)
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, data_dir_lock=lock),
         host=gateway.host,
         port=gateway.port,
         log_level="warning",

@@ -6,6 +6,7 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
 
     KernelhubError
     ├── ConfigError              a setting is invalid; names the variable and a valid example
+    │   └── DataDirLockedError   another gateway holds the data directory; names its pid
     ├── BackendUnavailableError  the chosen sandbox backend cannot run on this machine
     ├── ImageError               the kernel image is missing, or built for another protocol
     │   └── ImageBuildError      `kernelhub image build` failed
@@ -37,6 +38,10 @@ class KernelhubError(Exception):
 
 class ConfigError(KernelhubError):
     """A setting is invalid."""
+
+
+class DataDirLockedError(ConfigError):
+    """Another gateway process holds the data directory's lock."""
 
 
 class BackendUnavailableError(KernelhubError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -88,12 +89,16 @@ def _remove_everything_this_run_made() -> object:
         client.close()
     except Exception:
         pass
-    import shutil
-
+    from kernelhub.kernel.connection import SessionDir
+    from kernelhub.sandbox.hostdirs import remove_tree
     from kernelhub.sandbox.state import drop_state_dir
 
     for base in (Path("/tmp/khrun"), Path("/run/kernelhub-test")):
         for child in base.glob(f"{RUN_INSTANCE}*"):
             for state in child.glob("*.state"):  # tmpfs mounts when root: unmount first
                 drop_state_dir(state)
-            shutil.rmtree(child, ignore_errors=True)
+            for session in child.iterdir():  # and the socket directories' tmpfs
+                if session.is_dir() and not session.is_symlink():
+                    SessionDir.remove_root(session)
+            with contextlib.suppress(OSError):
+                remove_tree(child)

@@ -1,7 +1,12 @@
 """Move one file in or out of ``/workspace``, run by the host through ``docker exec``.
 
-    python -S -m kernelhub_kernel.files put RELPATH MAX_BYTES   < data
-    python -S -m kernelhub_kernel.files get RELPATH MAX_BYTES   > data
+    python -I -S /opt/kernelhub/kernelhub_kernel/files.py put RELPATH MAX_BYTES   < data
+    python -I -S /opt/kernelhub/kernelhub_kernel/files.py get RELPATH MAX_BYTES   > data
+
+The host runs it by absolute path, isolated (``-I``: no ``PYTHON*`` variables, no script or
+working directory on ``sys.path``) from ``/``, and it imports only the standard library: a
+``kernelhub_kernel`` planted in ``/workspace`` is never imported instead. (Older hosts ran
+``-m kernelhub_kernel.files`` from ``/workspace``; that still works.)
 
 It runs as the sandbox user with the container's own restrictions, and resolves the path
 one component at a time with ``O_NOFOLLOW`` beneath ``/workspace``: ``..``, absolute paths
@@ -10,8 +15,8 @@ only ever receives bytes of a regular file inside the workspace.
 
 Snapshots travel the same way, as one opaque tar stream the host stores but never opens:
 
-    python -S -m kernelhub_kernel.files pack NAME MAX_BYTES     > tar    (/tmp/.kernelhub/NAME)
-    python -S -m kernelhub_kernel.files unpack NAME MAX_BYTES   < tar
+    python -I -S .../files.py pack NAME MAX_BYTES     > tar    (/tmp/.kernelhub/NAME)
+    python -I -S .../files.py unpack NAME MAX_BYTES   < tar
 
 Exit codes: 0 done, 2 bad path, 3 not found, 4 too large, 5 not a regular file / a symlink.
 """
@@ -64,7 +69,10 @@ def put(relpath: str, max_bytes: int) -> int:
     parent = open_parent(parts, create=True)
     try:
         fd = os.open(
-            parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=parent
+            parts[-1],
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK,
+            0o600,
+            dir_fd=parent,
         )
     except OSError as exc:
         raise Refused(5, f"{relpath!r} is a symlink or not a regular file") from exc
@@ -87,11 +95,13 @@ def get(relpath: str, max_bytes: int) -> int:
     parts = parts_of(relpath)
     parent = open_parent(parts, create=False)
     try:
-        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW, dir_fd=parent)
+        # O_NONBLOCK: opening a FIFO planted by the sandbox returns at once instead of
+        # waiting for a writer; the fstat below then refuses it (and devices, sockets).
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
     except FileNotFoundError:
         raise Refused(3, f"no file {relpath!r} in the workspace") from None
     except OSError as exc:
-        code = 5 if exc.errno in (errno.ELOOP, errno.EISDIR) else 3
+        code = 5 if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO) else 3
         raise Refused(code, f"{relpath!r} is a symlink or not a regular file") from exc
     finally:
         os.close(parent)
@@ -104,6 +114,8 @@ def get(relpath: str, max_bytes: int) -> int:
         total = 0
         while chunk := src.read(CHUNK):
             total += len(chunk)
+            if total > max_bytes:  # it grew after the fstat
+                raise Refused(4, f"{relpath!r} grew over the {max_bytes}-byte limit")
             sys.stdout.buffer.write(chunk)
         sys.stdout.buffer.flush()
     return total

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kernelhub import __version__
 from kernelhub.config import Settings
+from kernelhub.datadir import DataDirLock
 from kernelhub.errors import ForbiddenError
 from kernelhub.gateway import errors, openapi, routes, stream
 from kernelhub.gateway.auth import check_origin
@@ -79,14 +80,29 @@ class OriginGuard:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) -> FastAPI:
+    """``data_dir_lock``: the data directory's lock if the caller took it already (``serve``
+    does, before anything else); otherwise the app takes it as it starts."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        lock = data_dir_lock or DataDirLock.acquire(settings.data_dir)
+        try:
+            async with _serving(app, lock):
+                yield
+        finally:
+            if data_dir_lock is None:
+                lock.release()
+
+    @asynccontextmanager
+    async def _serving(app: FastAPI, lock: DataDirLock) -> AsyncIterator[None]:
         store = await SqliteStore.open(
             settings.data_dir / "kernelhub.sqlite3",
             audit_code_bytes=settings.storage.audit_code_bytes,
         )
-        backend = make_backend(settings, instance=settings.gateway.instance)
+        backend = make_backend(
+            settings, instance=settings.gateway.instance, gateway_id=lock.gateway_id
+        )
         metrics = Metrics()
         manager = SessionManager(
             settings, backend, store, Observer(on_start=metrics.on_start, on_final=metrics.on_final)

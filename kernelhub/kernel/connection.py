@@ -15,9 +15,9 @@ inode is the one we talk to. Nothing in the directory is rewritten after the san
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
-import shutil
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +26,9 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from kernelhub.errors import SandboxError, UnsafeSocketError
+from kernelhub.sandbox.hostdirs import remove_tree, unmount
+
+log = logging.getLogger(__name__)
 
 CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
 # Fixed "ports": with the ipc transport they are only suffixes of the socket file names.
@@ -119,9 +122,29 @@ class SessionDir:
             raise SandboxError(f"cannot re-open the sandbox directory {root}: {exc}") from exc
         return cls(root=root, sandbox_uid=sandbox_uid, key=key)
 
+    @staticmethod
+    def read_labels(root: Path) -> dict[str, str]:
+        """What ``<root>/labels.json`` says made the directory (empty if unreadable)."""
+        try:
+            fd = os.open(root / "labels.json", os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as fh:
+                found = json.load(fh)
+        except (OSError, ValueError):
+            return {}
+        return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
     def remove(self) -> None:
-        # rmtree walks with file descriptors and does not follow symlinks planted in ipc/.
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Unmount ``ipc/`` and remove everything; ``labels.json`` goes last, so a
+        directory whose removal failed is still found (and retried) by the reaper."""
+        self.remove_root(self.root)
+
+    @staticmethod
+    def remove_root(root: Path) -> None:
+        unmount(root / "ipc")
+        try:
+            remove_tree(root, last="labels.json")
+        except OSError as exc:
+            log.warning("sandbox directory %s is left for the reaper: %s", root, exc)
 
     def sockets_present(self) -> bool:
         try:

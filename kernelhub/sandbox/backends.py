@@ -7,9 +7,12 @@ from kernelhub.errors import BackendUnavailableError
 from kernelhub.sandbox.base import SandboxBackend
 
 
-def make_backend(settings: Settings, *, instance: str = "default") -> SandboxBackend:
+def make_backend(
+    settings: Settings, *, instance: str = "default", gateway_id: str = ""
+) -> SandboxBackend:
     """``auto``: docker when a daemon answers, else local with bubblewrap (else the
-    unisolated local mode if, and only if, the settings allow it)."""
+    unisolated local mode if, and only if, the settings allow it). ``gateway_id``: the
+    identity from the data directory's lock (``kernelhub.datadir``)."""
     from kernelhub.sandbox.docker import DockerBackend, docker_available
     from kernelhub.sandbox.local import LocalBackend
 
@@ -23,9 +26,13 @@ def make_backend(settings: Settings, *, instance: str = "default") -> SandboxBac
             instance=instance,
             runtime=settings.docker.runtime,
             base_url=settings.docker.base_url,
+            gateway_id=gateway_id,
         )
     if choice == "local":
         return LocalBackend(
-            run_dir=settings.run_dir, instance=instance, unisolated=settings.local.unisolated
+            run_dir=settings.run_dir,
+            instance=instance,
+            unisolated=settings.local.unisolated,
+            gateway_id=gateway_id,
         )
     raise BackendUnavailableError(f"unknown backend {choice!r}; use auto, docker or local")

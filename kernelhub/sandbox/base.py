@@ -13,7 +13,8 @@ restarts it on SIGHUP, and exits with the kernel's status when the kernel dies.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +23,7 @@ from kernelhub import __version__
 from kernelhub.config import Limits
 from kernelhub.kernel.connection import SessionDir
 from kernelhub.models import ResourceUsage
+from kernelhub.sandbox.files import capped, checked_path
 
 LABEL_PREFIX = "org.kernelhub"
 LABEL_MANAGED = f"{LABEL_PREFIX}.managed"
@@ -29,6 +31,8 @@ LABEL_SESSION = f"{LABEL_PREFIX}.session"
 LABEL_OWNER = f"{LABEL_PREFIX}.owner"
 LABEL_VERSION = f"{LABEL_PREFIX}.version"
 LABEL_INSTANCE = f"{LABEL_PREFIX}.instance"
+#: The gateway's identity (``kernelhub.datadir``): its reaper removes only what carries it.
+LABEL_GATEWAY = f"{LABEL_PREFIX}.gateway"
 
 
 class SandboxSpec(BaseModel):
@@ -40,7 +44,7 @@ class SandboxSpec(BaseModel):
     owner: str = "local"
     limits: Limits = Field(default_factory=Limits)
 
-    def labels(self, instance: str) -> dict[str, str]:
+    def labels(self, instance: str, gateway: str = "") -> dict[str, str]:
         """Labels every resource made for this sandbox carries; cleanup finds them by these."""
         return {
             LABEL_MANAGED: "true",
@@ -48,7 +52,41 @@ class SandboxSpec(BaseModel):
             LABEL_OWNER: self.owner,
             LABEL_VERSION: __version__,
             LABEL_INSTANCE: instance,
+            LABEL_GATEWAY: gateway,
         }
+
+
+def made_by(labels: dict[str, str], instance: str, gateway: str) -> bool:
+    """Whether a resource with ``labels`` was made by the backend of this instance and
+    gateway identity (resources from before identities carry none: they match ``""``)."""
+    return labels.get(LABEL_INSTANCE) == instance and labels.get(LABEL_GATEWAY, "") == gateway
+
+
+def reap_directories(run_dir: Path, instance: str, gateway: str, live: Collection[str]) -> None:
+    """Remove the socket and state directories under ``run_dir`` (one instance's) that
+    this gateway made (by their host-only labels) and no live sandbox of ``live`` owns.
+    Unlabelled ones, and another gateway's, are never touched."""
+    from kernelhub.sandbox.state import drop_state_dir, state_labels
+
+    if not run_dir.is_dir():
+        return
+    for child in run_dir.iterdir():
+        if child.name.endswith(".state"):
+            session = child.name[: -len(".state")]
+            try:
+                labels = json.loads(state_labels(child).read_text())
+            except (OSError, ValueError):
+                continue
+            mine = isinstance(labels, dict) and made_by(labels, instance, gateway)
+            if mine and session not in live:
+                drop_state_dir(child)
+        elif (
+            child.name not in live
+            and child.is_dir()
+            and not child.is_symlink()
+            and made_by(SessionDir.read_labels(child), instance, gateway)
+        ):
+            SessionDir.remove_root(child)
 
 
 class ExitInfo(BaseModel):
@@ -122,21 +160,28 @@ class Sandbox(abc.ABC):
 
     async def write_file(self, path: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
         """Write ``chunks`` to ``/workspace/<path>`` (parents created); returns the size.
-        Refuses ``..``, absolute paths and symlinks with ``InvalidRequestError``."""
-        return await self._stream_in("put", path, chunks, max_bytes)
+        Refuses ``..``, absolute paths, NULs, over-long paths and symlinks with
+        ``InvalidRequestError``."""
+        return await self._stream_in("put", checked_path("put", path), chunks, max_bytes)
 
     def read_file(self, path: str, max_bytes: int) -> AsyncIterator[bytes]:
         """Stream ``/workspace/<path>``; ``NotFoundError`` if missing, ``TooLargeError``
-        over ``max_bytes``; never follows a symlink."""
-        return self._stream_out("get", path, max_bytes)
+        over ``max_bytes`` (counted here, whatever the sandbox says), ``InvalidRequestError``
+        for a malformed path (at once) or what is not a regular file; never follows a
+        symlink."""
+        chunks = self._stream_out("get", checked_path("get", path), max_bytes)
+        return capped(chunks, max_bytes, f"file {path!r}")
 
     def pack_snapshot(self, name: str, max_bytes: int) -> AsyncIterator[bytes]:
         """Stream the snapshot directory ``name`` the kernel wrote, as an opaque tar."""
-        return self._stream_out("pack", name, max_bytes)
+        chunks = self._stream_out("pack", checked_path("pack", name), max_bytes)
+        return capped(
+            chunks, max_bytes, f"snapshot {name!r}", "KERNELHUB_GATEWAY__MAX_SNAPSHOT_BYTES"
+        )
 
     async def unpack_snapshot(self, name: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
         """Put an opaque snapshot tar back into the sandbox as directory ``name``."""
-        return await self._stream_in("unpack", name, chunks, max_bytes)
+        return await self._stream_in("unpack", checked_path("unpack", name), chunks, max_bytes)
 
     @abc.abstractmethod
     async def _stream_in(
@@ -181,7 +226,8 @@ class SandboxBackend(abc.ABC):
     @abc.abstractmethod
     async def reap_orphans(self) -> int:
         """Remove every resource this backend instance's labels mark that no live sandbox
-        owns (left by a crashed kernelhub). Returns how many were removed."""
+        owns (left by a crashed kernelhub). Only what carries this backend's instance and
+        gateway identity: never another gateway's. Returns how many were removed."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most backends need it
         """Release the backend's own resources (clients, threads)."""

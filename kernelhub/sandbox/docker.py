@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +24,7 @@ import docker.errors
 import requests.exceptions
 
 from kernelhub.errors import BackendUnavailableError, ImageError, SandboxError
-from kernelhub.image import IPC_DIR, KERNEL_PYTHON, SANDBOX_GID, SANDBOX_UID, WORKSPACE
+from kernelhub.image import IPC_DIR, KERNEL_PYTHON, SANDBOX_GID, SANDBOX_UID
 from kernelhub.image.build import check_image
 from kernelhub.kernel.connection import SOCKET_PREFIX, SessionDir
 from kernelhub.models import ResourceUsage
@@ -36,16 +35,28 @@ from kernelhub.sandbox.base import (
     Sandbox,
     SandboxBackend,
     SandboxSpec,
+    made_by,
+    reap_directories,
 )
 from kernelhub.sandbox.cgroup import CgroupFiles
 from kernelhub.sandbox.docker_config import container_config
 from kernelhub.sandbox.exit import describe_exit
-from kernelhub.sandbox.files import FILES_MODULE, demux, file_error, pump_upload
+from kernelhub.sandbox.files import (
+    FILES_CWD,
+    FILES_PROGRAM,
+    demux,
+    file_error,
+    pump_upload,
+)
+from kernelhub.sandbox.hostdirs import mount_tmpfs
 from kernelhub.sandbox.seccomp import profile_json
 from kernelhub.sandbox.state import drop_state_dir, ensure_state_dir, state_dir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# The socket directory holds five sockets (no data blocks); room for a few more inodes.
+IPC_TMPFS_BYTES = 1024 * 1024
+IPC_TMPFS_INODES = 64
 
 _DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
 
@@ -80,7 +91,10 @@ class DockerBackend(SandboxBackend):
         instance: str = "default",
         runtime: str = "runc",
         base_url: str | None = None,
+        gateway_id: str = "",
     ) -> None:
+        """``gateway_id``: the identity of the gateway this backend serves (see
+        ``kernelhub.datadir``); its reaper removes only sandboxes labelled with it."""
         try:
             self.client = _client(base_url)
             self.client.ping()
@@ -92,6 +106,7 @@ class DockerBackend(SandboxBackend):
         self.image = image
         self.runtime = runtime
         self.instance = instance
+        self.gateway_id = gateway_id
         self.run_dir = run_dir / instance
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kernelhub-docker")
         self._seccomp = profile_json()
@@ -188,6 +203,7 @@ class DockerBackend(SandboxBackend):
                 ]
             },
         )
+        containers = [c for c in containers if self._ours(c)]
         root = self.run_dir / spec.session_id
         if len(containers) != 1 or not (root / "kernel.json").is_file():
             return None
@@ -207,6 +223,9 @@ class DockerBackend(SandboxBackend):
             all=True,
             filters={"label": [f"{LABEL_MANAGED}=true", f"{LABEL_INSTANCE}={self.instance}"]},
         )
+        # Another gateway's sandboxes (another data directory, same instance name) are
+        # not orphans, however they look from here.
+        containers = [c for c in containers if self._ours(c)]
         live = {cid for cid, fut in self._exits.items() if not fut.done()}
         removed = 0
         for container in containers:
@@ -216,14 +235,12 @@ class DockerBackend(SandboxBackend):
                 await self.call(container.remove, force=True)
                 removed += 1
         # Directories left behind by sandboxes no container answers for any more.
-        if self.run_dir.is_dir():
-            owned = {c.labels.get("org.kernelhub.session") for c in containers if c.id in live}
-            for child in self.run_dir.iterdir():
-                if child.name not in owned and (child / "labels.json").is_file():
-                    shutil.rmtree(child, ignore_errors=True)
-                elif child.name.endswith(".state") and child.name[: -len(".state")] not in owned:
-                    drop_state_dir(child)
+        owned = {c.labels.get("org.kernelhub.session", "") for c in containers if c.id in live}
+        reap_directories(self.run_dir, self.instance, self.gateway_id, owned)
         return removed
+
+    def _ours(self, container: Any) -> bool:
+        return made_by(container.labels, self.instance, self.gateway_id)
 
     async def drop_state(self, session_id: str) -> None:
         drop_state_dir(state_dir(self.run_dir, session_id))
@@ -245,6 +262,8 @@ class DockerSandbox(Sandbox):
         self._cgroup: CgroupFiles | None = None
         root = backend.run_dir / spec.session_id
         uid = SANDBOX_UID if _is_root() else _euid()
+        gid = SANDBOX_GID if _is_root() else _egid()
+        labels = spec.labels(backend.instance, backend.gateway_id)
         if existing is not None:
             # kernel.json sits outside ipc/ and is mounted read-only: the sandbox cannot
             # have changed it, so its key is still ours.
@@ -253,17 +272,26 @@ class DockerSandbox(Sandbox):
             self.session_dir = SessionDir.create(
                 root,
                 sandbox_uid=uid,
-                sandbox_gid=SANDBOX_GID if _is_root() else _egid(),
-                labels=spec.labels(backend.instance),
+                sandbox_gid=gid,
+                labels=labels,
                 kernel_ipc_prefix=f"{IPC_DIR}/{SOCKET_PREFIX}",
             )
+            # The kernel only binds its five sockets here: a tiny tmpfs, so it cannot store
+            # data on the host's /run (where mounting is refused, a warning says so).
+            mount_tmpfs(
+                self.session_dir.ipc_dir,
+                size_bytes=IPC_TMPFS_BYTES,
+                inodes=IPC_TMPFS_INODES,
+                uid=uid,
+                gid=gid,
+            )
         self.state_dir = state_dir(backend.run_dir, spec.session_id)
-        ensure_state_dir(
-            self.state_dir,
-            uid=uid,
-            gid=SANDBOX_GID if _is_root() else _egid(),
-            size_bytes=spec.limits.tmp_bytes,
+        self._state_on_host = ensure_state_dir(
+            self.state_dir, uid=uid, gid=gid, size_bytes=spec.limits.tmp_bytes, labels=labels
         )
+        if not self._state_on_host:
+            # No capped host directory: never an uncapped one (see docker_config).
+            drop_state_dir(self.state_dir)
         self._exit: asyncio.Future[ExitInfo] = asyncio.get_running_loop().create_future()
 
     @property
@@ -279,7 +307,8 @@ class DockerSandbox(Sandbox):
             session_dir=self.session_dir,
             instance=b.instance,
             seccomp_profile=b._seccomp,
-            state_dir=self.state_dir,
+            state_dir=self.state_dir if self._state_on_host else None,
+            gateway=b.gateway_id,
         )
         if not _is_root():
             config["user"] = f"{_euid()}:{_egid()}"
@@ -353,10 +382,11 @@ class DockerSandbox(Sandbox):
         """Start the files program in the container; returns the exec id and an asyncio
         stream pair on the attached socket."""
         api = self.backend.client.api
+        command = [KERNEL_PYTHON, *FILES_PROGRAM, verb, path, str(max_bytes)]
         exec_id = (await self.backend.call(
-            api.exec_create, self.container.id, [KERNEL_PYTHON, *FILES_MODULE, verb, path, str(max_bytes)],
+            api.exec_create, self.container.id, command,
             stdin=verb in ("put", "unpack"), stdout=True, stderr=True, user=f"{SANDBOX_UID}:{SANDBOX_GID}",
-            workdir=WORKSPACE,
+            workdir=FILES_CWD,
         ))["Id"]  # fmt: skip
         raw = await self.backend.call(api.exec_start, exec_id, socket=True)
         # Take our own descriptor for asyncio and close the SDK's wrappers right away, so

@@ -37,14 +37,24 @@ def container_config(
     instance: str,
     seccomp_profile: str,
     state_dir: Path | None = None,
+    gateway: str = "",
 ) -> dict[str, Any]:
     """Keyword arguments for ``docker.from_env().containers.create``.
 
     ``seccomp_profile`` is the JSON text of kernelhub's own profile (Docker's default one
-    lets code create AF_VSOCK sockets and use io_uring before Docker 25).
+    lets code create AF_VSOCK sockets and use io_uring before Docker 25). ``state_dir``:
+    the host's capped state directory; None where the host cannot mount one (a gateway in
+    a container without CAP_SYS_ADMIN): then a tmpfs of Docker's, as capped, that dies with
+    the container (crash recovery then has no checkpoints to restore from).
     """
     limits = spec.limits
     tmpfs_opts = f"rw,nosuid,nodev,uid={SANDBOX_UID},gid={SANDBOX_GID},mode=0700"
+    tmpfs = {
+        WORKSPACE: f"{tmpfs_opts},size={limits.workspace_bytes}",
+        "/tmp": f"{tmpfs_opts},size={limits.tmp_bytes}",
+    }
+    if state_dir is None:
+        tmpfs[STATE_PATH] = f"{tmpfs_opts},noexec,size={limits.tmp_bytes}"
     return {
         "image": image,
         # -S: the supervisor needs only the stdlib; skipping site saves start-up time.
@@ -56,7 +66,7 @@ def container_config(
             "--connection-file",
             CONNECTION_FILE,
         ],
-        "labels": spec.labels(instance),
+        "labels": spec.labels(instance, gateway),
         "hostname": "sandbox",
         # Never the HMAC key: the environment is visible in `docker inspect`.
         "environment": {"KERNELHUB_SESSION": spec.session_id},
@@ -79,11 +89,9 @@ def container_config(
             Ulimit(name="core", soft=0, hard=0),
             Ulimit(name="nofile", soft=4096, hard=4096),
         ],
-        "tmpfs": {
-            WORKSPACE: f"{tmpfs_opts},size={limits.workspace_bytes}",
-            "/tmp": f"{tmpfs_opts},size={limits.tmp_bytes}",
-        },
+        "tmpfs": tmpfs,
         "mounts": [
+            # A capped tmpfs on the host, as root (see DockerSandbox): sockets, not data.
             Mount(target=IPC_DIR, source=str(session_dir.ipc_dir), type="bind"),
             Mount(
                 target=CONNECTION_FILE,

@@ -31,9 +31,16 @@ from kernelhub.image import CONNECTION_FILE, IPC_DIR, WORKSPACE
 from kernelhub.image.build import kernel_image_dir
 from kernelhub.kernel.connection import SOCKET_PREFIX, SessionDir
 from kernelhub.models import ResourceUsage
-from kernelhub.sandbox.base import ExitInfo, Sandbox, SandboxBackend, SandboxSpec
+from kernelhub.sandbox.base import (
+    ExitInfo,
+    Sandbox,
+    SandboxBackend,
+    SandboxSpec,
+    reap_directories,
+)
 from kernelhub.sandbox.exit import describe_exit
-from kernelhub.sandbox.files import FILES_MODULE, file_error, pump_upload
+from kernelhub.sandbox.files import FILES_CWD, file_error, pump_upload
+from kernelhub.sandbox.hostdirs import mount_tmpfs
 from kernelhub.sandbox.seccomp import compile_bpf
 from kernelhub.sandbox.state import SANDBOX_PATH as STATE_PATH
 from kernelhub.sandbox.state import drop_state_dir, ensure_state_dir, state_dir
@@ -74,9 +81,10 @@ class LocalBackend(SandboxBackend):
         instance: str = "default",
         unisolated: bool = False,
         bwrap: str | Literal["auto"] | None = "auto",
+        gateway_id: str = "",
     ) -> None:
         """``bwrap``: the bubblewrap binary; ``"auto"`` looks it up on PATH, None means
-        there is none."""
+        there is none. ``gateway_id``: as for the docker backend, what the reaper keeps to."""
         self.bwrap = bwrap_path() if bwrap == "auto" else bwrap
         if self.bwrap is None and not unisolated:
             raise BackendUnavailableError(
@@ -86,6 +94,7 @@ class LocalBackend(SandboxBackend):
             )
         self.unisolated = self.bwrap is None
         self.instance = instance
+        self.gateway_id = gateway_id
         self.run_dir = run_dir / instance
         self._bpf: Path | None = None
         self._live: set[str] = set()
@@ -121,14 +130,7 @@ class LocalBackend(SandboxBackend):
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
                     removed += 1
-        if self.run_dir.is_dir():
-            for child in self.run_dir.iterdir():
-                if child.name not in self._live and (child / "labels.json").is_file():
-                    shutil.rmtree(child, ignore_errors=True)
-                elif (
-                    child.name.endswith(".state") and child.name[: -len(".state")] not in self._live
-                ):
-                    drop_state_dir(child)
+        reap_directories(self.run_dir, self.instance, self.gateway_id, self._live)
         return removed
 
     async def drop_state(self, session_id: str) -> None:
@@ -151,8 +153,16 @@ class LocalSandbox(Sandbox):
             backend.run_dir / spec.session_id,
             sandbox_uid=os.geteuid(),
             sandbox_gid=os.getegid(),
-            labels=spec.labels(backend.instance),
+            labels=spec.labels(backend.instance, backend.gateway_id),
             kernel_ipc_prefix=f"{IPC_DIR}/{SOCKET_PREFIX}" if isolated else None,
+        )
+        # As root: sockets only, no room for data on the host (see the docker backend).
+        mount_tmpfs(
+            self.session_dir.ipc_dir,
+            size_bytes=1024 * 1024,
+            inodes=64,
+            uid=os.geteuid(),
+            gid=os.getegid(),
         )
         self._workspace = self.session_dir.root / "workspace"
         self._workspace.mkdir(mode=0o700)
@@ -160,7 +170,11 @@ class LocalSandbox(Sandbox):
         # host, outliving this sandbox (see sandbox/state.py).
         self._snapshots = state_dir(backend.run_dir, spec.session_id)
         ensure_state_dir(
-            self._snapshots, uid=os.geteuid(), gid=os.getegid(), size_bytes=spec.limits.tmp_bytes
+            self._snapshots,
+            uid=os.geteuid(),
+            gid=os.getegid(),
+            size_bytes=spec.limits.tmp_bytes,
+            labels=spec.labels(backend.instance, backend.gateway_id),
         )
         backend._live.add(spec.session_id)
 
@@ -361,10 +375,11 @@ class LocalSandbox(Sandbox):
     async def _files(self, verb: str, path: str, max_bytes: int) -> asyncio.subprocess.Process:
         # The workspace is a host directory here; the same program that guards it inside a
         # container walks it beneath the workspace root, refusing symlinks.
+        program = kernel_image_dir() / "kernelhub_kernel" / "files.py"
         return await asyncio.create_subprocess_exec(
-            sys.executable, *FILES_MODULE, verb, path, str(max_bytes),
+            sys.executable, "-I", "-S", str(program), verb, path, str(max_bytes),
+            cwd=FILES_CWD,
             env={
-                "PYTHONPATH": str(kernel_image_dir()),
                 "KERNELHUB_WORKSPACE": str(self._workspace),
                 "KERNELHUB_SNAPSHOTS": str(self._snapshots),
             },

@@ -3,20 +3,24 @@ kernel's ``/tmp/.kernelhub``).
 
 It lives on the host beside the sandbox, not inside it, so checkpoints outlive a kernel
 that dies (crash recovery restores from them in a fresh sandbox), and the files program can
-pack them from outside. As root it is a tmpfs of its own, sized like the sandbox's /tmp:
-pages written into it are charged to the writing sandbox's memory cgroup, and untrusted
-code can never fill the host's disk through it. Without root it is a plain directory.
+pack them from outside. As root it is a tmpfs of its own, sized like the sandbox's /tmp
+(see :func:`~kernelhub.sandbox.hostdirs.mount_tmpfs`). Where that mount is refused (a
+gateway in a container without CAP_SYS_ADMIN, as under compose) the docker backend gives
+the sandbox a capped tmpfs of Docker's instead, which dies with its container; the plain
+host directory is left only to the local development backend without root.
+
+Beside it, ``<session>.state.json`` (host-only, not mounted) holds the labels the reaper
+identifies it by; the sandbox can write the directory but not that file.
 """
 
 from __future__ import annotations
 
-import logging
+import json
 import os
-import shutil
-import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from kernelhub.sandbox.hostdirs import mount_tmpfs, remove_tree, unmount
 
 SANDBOX_PATH = "/tmp/.kernelhub"
 
@@ -25,30 +29,27 @@ def state_dir(run_dir: Path, session_id: str) -> Path:
     return run_dir / f"{session_id}.state"
 
 
-def ensure_state_dir(path: Path, *, uid: int, gid: int, size_bytes: int) -> None:
+def state_labels(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def ensure_state_dir(
+    path: Path, *, uid: int, gid: int, size_bytes: int, labels: Mapping[str, str] | None = None
+) -> bool:
     """Create (or keep) the directory; idempotent, so a recovering session finds its
-    checkpoints where its previous sandbox left them."""
-    if path.is_dir():
-        return
-    path.mkdir(mode=0o700)
-    if os.geteuid() == 0:
-        options = f"size={size_bytes},mode=0700,uid={uid},gid={gid},nosuid,nodev"
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "kernelhub-state", str(path)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode == 0:
-            return
-        log.warning(
-            "state directory %s is not size-limited: mount failed: %s", path, done.stderr.strip()
-        )
-    if uid != os.geteuid():
+    checkpoints where its previous sandbox left them. True if it is size-capped."""
+    if not path.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+        path.mkdir(mode=0o700)
+    if labels is not None:
+        state_labels(path).write_text(json.dumps(dict(labels)))
+    capped = mount_tmpfs(path, size_bytes=size_bytes, uid=uid, gid=gid)
+    if not capped and uid != os.geteuid():
         os.chown(path, uid, gid)
+    return capped
 
 
 def drop_state_dir(path: Path) -> None:
-    if os.path.ismount(path):
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
-    shutil.rmtree(path, ignore_errors=True)
+    unmount(path)
+    remove_tree(path)
+    state_labels(path).unlink(missing_ok=True)

@@ -51,14 +51,20 @@ class Continuity:
         def _bind(self, live: LiveSession, kernel: KernelSession) -> None: ...
         async def _awake(self, live: LiveSession) -> KernelSession: ...
 
+    @staticmethod
+    async def _final_out(dead: KernelSession) -> None:
+        """Let the dead kernel's running cell end (its ``kernel_died`` final record is
+        emitted from the engine's own task) before the kernel is closed; at most 3 s."""
+        for _ in range(300):
+            if dead.running is None:
+                break
+            await asyncio.sleep(0.01)
+
     async def _recover(self, live: LiveSession, dead: KernelSession, reason: str) -> None:
         """A fresh sandbox for the same session, restored from the last checkpoint (they
         live in the session's state directory, which outlives sandboxes). The event stream
         says so and names the executions whose effects were lost."""
-        for _ in range(300):  # let the dead cell's final record be emitted first
-            if dead.running is None:
-                break
-            await asyncio.sleep(0.01)
+        await self._final_out(dead)
         live.state = SessionState.STARTING
         after, directory = live.checkpoints[-1]
         saved = list(live.checkpoints)

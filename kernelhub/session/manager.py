@@ -300,10 +300,19 @@ class SessionManager(Continuity):
                 f"the gateway runs its maximum of {g.max_sessions} sessions; retry later",
                 retry_after=10,
             )
-        mine = [s for s in alive if s.stored.owner == principal.name]
+        # Dead sessions hold no sandbox any more, but they count until deleted: a
+        # principal cannot pile them up by crashing kernels.
+        mine = [
+            s
+            for s in self.sessions.values()
+            if s.stored.owner == principal.name and s.state != SessionState.DELETED
+        ]
         if len(mine) >= g.max_sessions_per_principal:
+            dead = sum(s.state == SessionState.DEAD for s in mine)
             raise QuotaError(
-                f"you have {len(mine)} sessions, the most allowed per token; delete one first",
+                f"you have {len(mine)} sessions ({dead} of them dead), the most allowed per "
+                "token (KERNELHUB_GATEWAY__MAX_SESSIONS_PER_PRINCIPAL); delete one first "
+                "(DELETE /v1/sessions/{id}, `kernelhub sessions rm`)",
                 retry_after=10,
             )
         # Pooled sandboxes give way to sessions: they are not counted here, and a cold
@@ -529,6 +538,14 @@ class SessionManager(Continuity):
                 log.warning("session %s could not be recovered: %s", live.id, exc)
                 reason = f"{reason}; recovery from the last checkpoint failed: {exc}"
         await self._mark_dead(live, reason)
+        # Dead for good: its container, socket directory and state tmpfs go now, not when
+        # someone deletes the session (what recovery needed is no longer needed).
+        if live.kernel is not None:
+            await self._final_out(live.kernel)
+            try:
+                await live.kernel.close()
+            except KernelhubError as exc:
+                log.warning("releasing dead session %s failed: %s", live.id, exc)
 
     async def _mark_dead(self, live: LiveSession, reason: str) -> None:
         live.state = SessionState.DEAD
@@ -618,6 +635,8 @@ class SessionManager(Continuity):
                 await self.retention.purge(session_id)
                 await self._audit_delete(principal, session_id, client, purge)
                 return
+            # It died before this process started: only its state directory may be left.
+            await self.backend.drop_state(session_id)
         else:
             live.state = SessionState.DELETED
             if live.kernel is not None:

@@ -7,9 +7,11 @@ tags. The pure reading of port and volume entries is shared with the unit tier."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,3 +187,64 @@ def test_cgroups_are_mounted_read_only_and_data_persists(gateway: dict[str, Any]
     assert mounts["/sys/fs/cgroup"] == Volume("/sys/fs/cgroup", "/sys/fs/cgroup", True)
     data = mounts[environment(gateway)["KERNELHUB_DATA_DIR"]]
     assert data.source is not None and not data.read_only
+
+
+FALLBACK_PROBE = """
+import asyncio, json, os, sys, uuid
+from pathlib import Path
+from kernelhub.config import Limits
+from kernelhub.execution.engine import KernelSession
+from kernelhub.sandbox.base import SandboxSpec
+from kernelhub.sandbox.docker import DockerBackend
+
+async def main():
+    backend = DockerBackend(image=sys.argv[1], run_dir=Path(sys.argv[2]), instance=sys.argv[3])
+    spec = SandboxSpec(session_id=uuid.uuid4().hex[:12], limits=Limits(tmp_bytes=8 * 2**20))
+    session = await KernelSession.start(backend, spec)
+    try:
+        code = (
+            "import errno\\nn = 0\\ntry:\\n"
+            "    with open('/tmp/.kernelhub/fill', 'wb') as f:\\n"
+            "        for _ in range(32): f.write(b'x' * 2**20); f.flush(); n += 2**20\\n"
+            "except OSError as e:\\n    print(n, errno.errorcode[e.errno])\\n"
+        )
+        result = await session.execute(code, timeout=60)
+        state = backend.run_dir / f"{spec.session_id}.state"
+        ipc = session.sandbox.session_dir.ipc_dir
+        print(json.dumps({"out": result.stdout, "state_on_host": state.exists(),
+                          "ipc_mounted": os.path.ismount(ipc)}))
+    finally:
+        await session.close()
+        await backend.close()
+
+asyncio.run(main())
+"""
+
+
+def test_without_mount_rights_the_state_dir_is_still_capped(tmp_path: Path) -> None:
+    """As under compose: root in a container without CAP_SYS_ADMIN cannot mount the
+    state tmpfs. The sandbox then gets a capped tmpfs of Docker's, never an uncapped host
+    directory. (The gateway is run here with the capability dropped, which is what the
+    container does to it.)"""
+    capsh = shutil.which("capsh")
+    if os.geteuid() != 0 or capsh is None:
+        pytest.skip("needs root and capsh (`apt-get install -y libcap2-bin`) to drop CAP_SYS_ADMIN")
+    from kernelhub.config import load_settings
+    from tests.conftest import RUN_INSTANCE
+
+    settings = load_settings()
+    run_dir = "/run/kernelhub-test"
+    probe = tmp_path / "probe.py"
+    probe.write_text(FALLBACK_PROBE)
+    result = subprocess.run(
+        [capsh, "--drop=cap_sys_admin", "--", "-c",
+         'exec "$0" "$@"', sys.executable, str(probe), settings.docker.image, run_dir,
+         f"{RUN_INSTANCE}c"],
+        capture_output=True, text=True, timeout=120 * UNIT, env={**os.environ},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    written, err = report["out"].split()
+    assert err == "ENOSPC" and int(written) <= 8 * 2**20, report
+    assert report["state_on_host"] is False, "fell back to an uncapped host directory"
+    assert "cannot mount a capped tmpfs" in result.stderr

@@ -85,3 +85,29 @@ def test_labels_identify_session_owner_version_instance(tmp_path: Path) -> None:
     assert labels["org.kernelhub.owner"] == "alice"
     assert labels["org.kernelhub.instance"] == "ci"
     assert labels["org.kernelhub.version"]
+
+
+def test_without_a_host_state_dir_the_state_is_a_capped_tmpfs_of_its_own(tmp_path: Path) -> None:
+    from kernelhub.sandbox.state import SANDBOX_PATH
+
+    c = config(tmp_path, tmp_bytes=8 * MiB)
+    opts = c["tmpfs"][SANDBOX_PATH].split(",")
+    assert "size=8388608" in opts and {"noexec", "nosuid", "nodev"} <= set(opts)
+    assert all(m["Target"] != SANDBOX_PATH for m in c["mounts"])
+    with_dir = container_config(
+        SandboxSpec(session_id="abc123def457"),
+        image="i",
+        runtime="runc",
+        session_dir=SessionDir.create(
+            tmp_path / "s2", sandbox_uid=os.geteuid(), sandbox_gid=os.getegid(), labels={}
+        ),
+        instance="ci",
+        seccomp_profile="{}",
+        state_dir=tmp_path / "s2.state",
+        gateway="0123456789abcdef",
+    )
+    assert SANDBOX_PATH not in with_dir["tmpfs"]
+    assert [m["Source"] for m in with_dir["mounts"] if m["Target"] == SANDBOX_PATH] == [
+        str(tmp_path / "s2.state")
+    ]
+    assert with_dir["labels"]["org.kernelhub.gateway"] == "0123456789abcdef"
