@@ -164,6 +164,14 @@ class BatchSettings(BaseModel):
     concurrency: int = Field(
         4, ge=1, le=256, description="batch items running at once, all batches together"
     )
+    principal_concurrency: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="batch items one principal runs at once, all its batches together; "
+        "None: half of KERNELHUB_BATCH__CONCURRENCY, rounded up, so another principal's "
+        "batch always finds a free slot",
+    )
     max_queued_items: int = Field(
         1000, ge=1, description="items waiting to run, all batches; beyond it: 429"
     )
