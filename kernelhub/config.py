@@ -97,6 +97,15 @@ class GatewaySettings(BaseModel):
         description="seconds idle before a session is snapshotted and its sandbox removed "
         "(it wakes on next use); None keeps sandboxes up",
     )
+    hibernate_timeout: float = Field(
+        300.0,
+        gt=0,
+        description="seconds a hibernation snapshot may take; past it the capture is "
+        "interrupted and the session stays awake until its next idle period",
+    )
+    hibernate_concurrency: int = Field(
+        2, ge=1, le=16, description="idle sessions hibernated at once"
+    )
     recover_crashed: bool = Field(
         True,
         description="bring a session whose kernel died back from its last checkpoint "

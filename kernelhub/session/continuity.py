@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from kernelhub.config import Settings
-from kernelhub.errors import KernelhubError, NotFoundError, SessionError
+from kernelhub.errors import KernelError, KernelhubError, NotFoundError, SessionError
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
 from kernelhub.models import ExecutionStatus, NoticeEvent
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
@@ -208,37 +208,80 @@ class Continuity:
 
     async def _hibernate_idle(self) -> None:
         """Every few seconds: snapshot and remove the sandbox of each session idle for
-        ``hibernate_after`` seconds. It wakes, transparently, on its next use."""
-        after = self.settings.gateway.hibernate_after
+        ``hibernate_after`` seconds. It wakes, transparently, on its next use.
+
+        Up to ``hibernate_concurrency`` sessions at once, each within its own
+        ``hibernate_timeout``: one at a time, a session whose objects stalled pickling held
+        up the hibernation of every other one for as long as it stalled."""
+        gateway = self.settings.gateway
+        after = gateway.hibernate_after
         if after is None:
             return
-        while True:
-            await asyncio.sleep(min(after / 2, 5.0))
-            now = time.monotonic()
-            for live in list(self.sessions.values()):
-                kernel = live.kernel
-                idle = (
-                    live.state == SessionState.READY
-                    and kernel is not None
-                    and kernel.alive
-                    and not kernel.paused
-                    and kernel.running is None
-                    and kernel.queue_length == 0
-                    and now - live.last_active >= after
-                )
-                if idle:
-                    try:
-                        await self.hibernate(live)
-                    except KernelhubError as exc:
-                        log.warning("could not hibernate session %s: %s", live.id, exc)
+        slots = asyncio.Semaphore(gateway.hibernate_concurrency)
+        going: set[str] = set()  # sessions with a hibernation waiting or under way
+        async with asyncio.TaskGroup() as group:
+            while True:
+                await asyncio.sleep(min(after / 2, 5.0))
+                for live in list(self.sessions.values()):
+                    if live.id not in going and self._idle(live, after):
+                        going.add(live.id)
+                        group.create_task(self._hibernate_in_turn(live, after, slots, going))
+
+    @staticmethod
+    def _idle(live: LiveSession, after: float) -> bool:
+        kernel = live.kernel
+        return (
+            live.state == SessionState.READY
+            and kernel is not None
+            and kernel.alive
+            and not kernel.paused
+            and kernel.running is None
+            and kernel.queue_length == 0
+            and time.monotonic() - live.last_active >= after
+        )
+
+    async def _hibernate_in_turn(
+        self, live: LiveSession, after: float, slots: asyncio.Semaphore, going: set[str]
+    ) -> None:
+        """One idle session's hibernation, once a slot is free; never raises (a task of
+        the hibernation loop's group) except to be cancelled."""
+        try:
+            async with slots:
+                if self._idle(live, after):  # it may have been used while it waited
+                    await self.hibernate(live)
+        except KernelhubError as exc:
+            log.warning("could not hibernate session %s: %s", live.id, exc)
+        except Exception:
+            log.exception("hibernating session %s failed unexpectedly", live.id)
+        finally:
+            going.discard(live.id)
 
     async def hibernate(self, live: LiveSession) -> None:
+        """Snapshot the session within ``hibernate_timeout`` and remove its sandbox. A
+        snapshot past the deadline is interrupted (the engine's escalation for a call that
+        runs too long) and the session stays awake, to be tried again after another idle
+        period."""
+        timeout = self.settings.gateway.hibernate_timeout
         async with live.wake_lock:
-            if live.state != SessionState.READY or live.kernel is None:
+            kernel = live.kernel
+            if live.state != SessionState.READY or kernel is None:
                 return
             owner = Principal(name=live.stored.owner)
-            info = await self.snapshot(owner, live.id, None, kind="hibernation")
-            kernel, live.kernel = live.kernel, None
+            t0 = time.monotonic()
+            try:
+                info = await self._capture(
+                    owner, live, kernel, None, kind="hibernation", timeout=timeout
+                )
+            except KernelhubError as exc:
+                live.last_active = time.monotonic()  # not again at the next tick
+                if time.monotonic() - t0 < timeout:
+                    raise
+                raise KernelError(
+                    f"its hibernation snapshot ran past the {timeout:g} s deadline "
+                    "(KERNELHUB_GATEWAY__HIBERNATE_TIMEOUT) and was stopped; the session "
+                    f"stays awake ({exc})"
+                ) from exc
+            live.kernel = None
             # Listed as hibernated only once the sandbox is really gone; a request that
             # arrives meanwhile waits on the lock (see _awake) and then wakes the session.
             await kernel.close()
@@ -303,10 +346,29 @@ class Continuity:
         an opaque blob, bind it to its owner with a MAC. The host never opens it."""
         live = self._get(principal, session_id)
         kernel = await self._awake(live)
-        name = f"snap-{uuid.uuid4().hex[:12]}"
         timeout = self.settings.gateway.snapshot_timeout
+        return await self._capture(principal, live, kernel, client, kind=kind, timeout=timeout)
+
+    async def _capture(
+        self,
+        principal: Principal,
+        live: LiveSession,
+        kernel: KernelSession,
+        client: str | None,
+        *,
+        kind: str,
+        timeout: float,
+    ) -> SnapshotInfo:
+        session_id = live.id
+        name = f"snap-{uuid.uuid4().hex[:12]}"
         t0 = time.monotonic()
-        result = calls.result(await kernel.call(calls.capture(name), calls.RESULT, timeout=timeout))
+        try:
+            answers = await kernel.call(calls.capture(name), calls.RESULT, timeout=timeout)
+        except KernelhubError:  # a capture cut short may have left part of its files
+            with contextlib.suppress(KernelhubError):
+                await kernel.call(calls.remove(name), {}, timeout=60)
+            raise
+        result = calls.result(answers)
         snapshot_id = uuid.uuid4().hex[:16]
         limit = self.settings.gateway.max_snapshot_bytes
         try:
