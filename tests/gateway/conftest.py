@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -92,15 +92,13 @@ class Gateway:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
 
-@pytest.fixture
-def gateway(tmp_path: Path) -> Iterator[Gateway]:
-    run_dir = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
-    gw = Gateway(tmp_path / "data", run_dir)
-    gw.start()
-    yield gw
-    gw.stop()
-    # A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
-    # test removes them (by label, as any cleanup must).
+def gateway_run_dir() -> Path:
+    return Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
+
+
+def remove_sandboxes() -> None:
+    """A stopping gateway leaves its sandboxes running for re-adoption, on purpose; a
+    test removes them (by label, as any cleanup must)."""
     import docker
 
     client = docker.from_env()
@@ -108,3 +106,29 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
     for container in client.containers.list(all=True, filters={"label": label}):
         container.remove(force=True)
     client.close()
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[Gateway]:
+    gw = Gateway(tmp_path / "data", gateway_run_dir())
+    gw.start()
+    yield gw
+    gw.stop()
+    remove_sandboxes()
+
+
+@pytest.fixture
+def make_gateway(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
+    """A gateway with extra settings; stopped, and its sandboxes removed, after the test."""
+    made: list[Gateway] = []
+
+    def make(**env: str) -> Gateway:
+        gw = Gateway(tmp_path / "data", gateway_run_dir(), **env)
+        gw.start()
+        made.append(gw)
+        return gw
+
+    yield make
+    for gw in made:
+        gw.stop()
+    remove_sandboxes()

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import time
-from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from kernelhub.client import AsyncHub, BatchInfo, BatchState, ExecutionStatus, batch_item
-from tests.conftest import RUN_INSTANCE, UNIT
+from tests.conftest import UNIT
 from tests.gateway.conftest import Gateway
 
 pytestmark = pytest.mark.docker
@@ -59,30 +56,6 @@ async def poll(http: httpx.AsyncClient, token: str, batch_id: str, done: Any) ->
             return body
         assert time.monotonic() < deadline, body
         await asyncio.sleep(0.1)
-
-
-@pytest.fixture
-def make_gateway(tmp_path: Path) -> Iterator[Any]:
-    """A gateway with extra settings; stopped, and its sandboxes removed, after the test."""
-    made: list[Gateway] = []
-    run_dir = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
-
-    def make(**env: str) -> Gateway:
-        gw = Gateway(tmp_path / "data", run_dir, **env)
-        gw.start()
-        made.append(gw)
-        return gw
-
-    yield make
-    for gw in made:
-        gw.stop()
-    import docker
-
-    client = docker.from_env()
-    label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
-    for container in client.containers.list(all=True, filters={"label": label}):
-        container.remove(force=True)
-    client.close()
 
 
 async def test_items_run_in_fresh_sessions_with_their_files_and_results(

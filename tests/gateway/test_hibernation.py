@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
+from collections.abc import Callable
 
 import docker
 import httpx
 import pytest
 
-from tests.conftest import RUN_INSTANCE, UNIT
+from tests.conftest import UNIT
 from tests.gateway.conftest import Gateway
-from tests.gateway.test_gateway import _run_dir, auth, new_session, run, stdout
+from tests.gateway.test_gateway import auth, new_session, run, stdout
 
 pytestmark = pytest.mark.docker
 
@@ -38,52 +38,37 @@ def containers(session_id: str) -> int:
 
 
 async def test_a_session_that_stalls_pickling_does_not_hold_up_the_others(
-    tmp_path: Path,
+    make_gateway: Callable[..., Gateway],
 ) -> None:
     deadline = 15 * UNIT  # the stalled session's; the calm one must not wait it out
-    gw = Gateway(
-        tmp_path / "data",
-        _run_dir(),
+    gw = make_gateway(
         KERNELHUB_GATEWAY__HIBERNATE_AFTER=str(2 * UNIT),
         KERNELHUB_GATEWAY__HIBERNATE_TIMEOUT=str(deadline),
     )
-    gw.start()
-    try:
-        token = gw.token("alice")
-        h = auth(token)
-        async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
-            stalled = await new_session(http, token)
-            await run(http, token, stalled, STALL)  # idle first: its hibernation starts first
-            calm = await new_session(http, token)
-            await run(http, token, calm, "y = 2")
-            t0 = time.monotonic()
-            while (await http.get(f"/v1/sessions/{calm}", headers=h)).json()["state"] != (
-                "hibernated"
-            ):
-                assert time.monotonic() - t0 < deadline, "the calm session waited its turn"
-                await asyncio.sleep(0.1)
-            assert containers(calm) == 0
-            # The stalled one stays awake in its own sandbox; once its deadline passed and
-            # the capture was interrupted, a cell finds its variables as they were.
-            state = (await http.get(f"/v1/sessions/{stalled}", headers=h)).json()["state"]
-            assert state in ("ready", "busy"), state  # busy: the capture is still stalled
-            after = await run(http, token, stalled, "print(x + 1, type(stall).__name__)")
-            assert stdout(after) == "42 Stall\n", after
-            assert time.monotonic() - t0 < deadline + 30 * UNIT
-            assert containers(stalled) == 1
-            assert (await http.get(f"/v1/sessions/{stalled}", headers=h)).json()["state"] in (
-                "ready",
-                "busy",
-            )
-            woke = await run(http, token, calm, "print(y * 21)")
-            assert stdout(woke) == "42\n"
-        logged = gw.log.read_text()
-        assert f"could not hibernate session {stalled}" in logged
-        assert "KERNELHUB_GATEWAY__HIBERNATE_TIMEOUT" in logged
-    finally:
-        gw.stop()
-        client = docker.from_env()
-        label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
-        for container in client.containers.list(all=True, filters={"label": label}):
-            container.remove(force=True)
-        client.close()
+    token = gw.token("alice")
+    h = auth(token)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
+        stalled = await new_session(http, token)
+        await run(http, token, stalled, STALL)  # idle first: its hibernation starts first
+        calm = await new_session(http, token)
+        await run(http, token, calm, "y = 2")
+        t0 = time.monotonic()
+        while (await http.get(f"/v1/sessions/{calm}", headers=h)).json()["state"] != ("hibernated"):
+            assert time.monotonic() - t0 < deadline, "the calm session waited its turn"
+            await asyncio.sleep(0.1)
+        assert containers(calm) == 0
+        # The stalled one stays awake in its own sandbox; once its deadline passed and the
+        # capture was interrupted, a cell finds its variables as they were.
+        state = (await http.get(f"/v1/sessions/{stalled}", headers=h)).json()["state"]
+        assert state in ("ready", "busy"), state  # busy: the capture is still stalled
+        after = await run(http, token, stalled, "print(x + 1, type(stall).__name__)")
+        assert stdout(after) == "42 Stall\n", after
+        assert time.monotonic() - t0 < deadline + 30 * UNIT
+        assert containers(stalled) == 1
+        state = (await http.get(f"/v1/sessions/{stalled}", headers=h)).json()["state"]
+        assert state in ("ready", "busy"), state
+        woke = await run(http, token, calm, "print(y * 21)")
+        assert stdout(woke) == "42\n"
+    logged = gw.log.read_text()
+    assert f"could not hibernate session {stalled}" in logged
+    assert "KERNELHUB_GATEWAY__HIBERNATE_TIMEOUT" in logged
