@@ -212,23 +212,30 @@ class Continuity:
 
         Up to ``hibernate_concurrency`` sessions at once, each within its own
         ``hibernate_timeout``: one at a time, a session whose objects stalled pickling held
-        up the hibernation of every other one for as long as it stalled."""
+        up the hibernation of every other one for as long as it stalled. A session whose
+        hibernation failed waits twice as long idle before each next try, so a few that
+        always stall cannot keep every slot busy."""
         gateway = self.settings.gateway
         after = gateway.hibernate_after
         if after is None:
             return
         slots = asyncio.Semaphore(gateway.hibernate_concurrency)
         going: set[str] = set()  # sessions with a hibernation waiting or under way
+        failures: dict[str, int] = {}  # session id -> tries failed in a row
         async with asyncio.TaskGroup() as group:
             while True:
                 await asyncio.sleep(min(after / 2, 5.0))
+                for sid in failures.keys() - self.sessions.keys():
+                    del failures[sid]
                 for live in list(self.sessions.values()):
-                    if live.id not in going and self._idle(live, after):
+                    wait = idle_wait(after, failures.get(live.id, 0))
+                    if live.id not in going and self._idle(live, wait):
                         going.add(live.id)
-                        group.create_task(self._hibernate_in_turn(live, after, slots, going))
+                        turn = self._hibernate_in_turn(live, after, slots, going, failures)
+                        group.create_task(turn)
 
     @staticmethod
-    def _idle(live: LiveSession, after: float) -> bool:
+    def _idle(live: LiveSession, seconds: float) -> bool:
         kernel = live.kernel
         return (
             live.state == SessionState.READY
@@ -237,30 +244,44 @@ class Continuity:
             and not kernel.paused
             and kernel.running is None
             and kernel.queue_length == 0
-            and time.monotonic() - live.last_active >= after
+            and time.monotonic() - live.last_active >= seconds
         )
 
     async def _hibernate_in_turn(
-        self, live: LiveSession, after: float, slots: asyncio.Semaphore, going: set[str]
+        self,
+        live: LiveSession,
+        after: float,
+        slots: asyncio.Semaphore,
+        going: set[str],
+        failures: dict[str, int],
     ) -> None:
         """One idle session's hibernation, once a slot is free; never raises (a task of
         the hibernation loop's group) except to be cancelled."""
         try:
             async with slots:
-                if self._idle(live, after):  # it may have been used while it waited
+                # It may have been used while it waited for the slot.
+                if self._idle(live, idle_wait(after, failures.get(live.id, 0))):
                     await self.hibernate(live)
-        except KernelhubError as exc:
-            log.warning("could not hibernate session %s: %s", live.id, exc)
-        except Exception:
-            log.exception("hibernating session %s failed unexpectedly", live.id)
+                    failures.pop(live.id, None)
+        except Exception as exc:
+            failures[live.id] = failures.get(live.id, 0) + 1
+            if isinstance(exc, KernelhubError):
+                log.warning(
+                    "could not hibernate session %s: %s; next try after %g s idle",
+                    live.id,
+                    exc,
+                    idle_wait(after, failures[live.id]),
+                )
+            else:
+                log.exception("hibernating session %s failed unexpectedly", live.id)
         finally:
             going.discard(live.id)
 
     async def hibernate(self, live: LiveSession) -> None:
         """Snapshot the session within ``hibernate_timeout`` and remove its sandbox. A
         snapshot past the deadline is interrupted (the engine's escalation for a call that
-        runs too long) and the session stays awake, to be tried again after another idle
-        period."""
+        runs too long) and the session stays awake; the loop tries again once it has been
+        idle long enough (see :meth:`_hibernate_idle`)."""
         timeout = self.settings.gateway.hibernate_timeout
         async with live.wake_lock:
             kernel = live.kernel
@@ -273,7 +294,7 @@ class Continuity:
                     owner, live, kernel, None, kind="hibernation", timeout=timeout
                 )
             except KernelhubError as exc:
-                live.last_active = time.monotonic()  # not again at the next tick
+                live.last_active = time.monotonic()  # idle again from now before a next try
                 if time.monotonic() - t0 < timeout:
                     raise
                 raise KernelError(
@@ -460,6 +481,12 @@ class Continuity:
             )
         )
         return report
+
+
+def idle_wait(after: float, failures: int) -> float:
+    """Seconds a session must be idle before a hibernation try: ``after``, doubled for
+    each try that failed in a row (at most 64 times ``after``)."""
+    return after * (1 << min(failures, 6))
 
 
 def _snapshot_info(s: StoredSnapshot) -> SnapshotInfo:
