@@ -100,11 +100,11 @@ class GatewaySettings(BaseModel):
     hibernate_timeout: float = Field(
         300.0,
         gt=0,
-        description="seconds a hibernation snapshot may take; past it the capture is "
-        "interrupted and the session stays awake until its next idle period",
+        description="seconds a hibernation snapshot may take (snapshot_timeout if lower); "
+        "past it the capture is interrupted and the session stays awake until its next try",
     )
     hibernate_concurrency: int = Field(
-        2, ge=1, le=16, description="idle sessions hibernated at once"
+        3, ge=1, le=16, description="idle sessions hibernated at once"
     )
     recover_crashed: bool = Field(
         True,

@@ -278,11 +278,13 @@ class Continuity:
             going.discard(live.id)
 
     async def hibernate(self, live: LiveSession) -> None:
-        """Snapshot the session within ``hibernate_timeout`` and remove its sandbox. A
+        """Snapshot the session within ``hibernate_timeout`` (or ``snapshot_timeout``, the
+        bound of every capture, if lower) and remove its sandbox. A
         snapshot past the deadline is interrupted (the engine's escalation for a call that
         runs too long) and the session stays awake; the loop tries again once it has been
         idle long enough (see :meth:`_hibernate_idle`)."""
-        timeout = self.settings.gateway.hibernate_timeout
+        gateway = self.settings.gateway
+        timeout, knob = hibernate_deadline(gateway.hibernate_timeout, gateway.snapshot_timeout)
         async with live.wake_lock:
             kernel = live.kernel
             if live.state != SessionState.READY or kernel is None:
@@ -299,7 +301,7 @@ class Continuity:
                     raise
                 raise KernelError(
                     f"its hibernation snapshot ran past the {timeout:g} s deadline "
-                    "(KERNELHUB_GATEWAY__HIBERNATE_TIMEOUT) and was stopped; the session "
+                    f"({knob}) and was stopped; the session "
                     f"stays awake ({exc})"
                 ) from exc
             live.kernel = None
@@ -481,6 +483,14 @@ class Continuity:
             )
         )
         return report
+
+
+def hibernate_deadline(hibernate_timeout: float, snapshot_timeout: float) -> tuple[float, str]:
+    """Seconds a hibernation's capture may take, and the variable that sets them: the
+    lower of its own bound and the one on every capture."""
+    if hibernate_timeout <= snapshot_timeout:
+        return hibernate_timeout, "KERNELHUB_GATEWAY__HIBERNATE_TIMEOUT"
+    return snapshot_timeout, "KERNELHUB_GATEWAY__SNAPSHOT_TIMEOUT"
 
 
 def idle_wait(after: float, failures: int) -> float:
