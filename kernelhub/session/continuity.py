@@ -16,8 +16,9 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kernelhub.config import Settings
 from kernelhub.errors import KernelError, KernelhubError, NotFoundError, SessionError
@@ -47,6 +48,7 @@ class Continuity:
 
         def _get(self, principal: Principal, session_id: str) -> LiveSession: ...
         def _bind(self, live: LiveSession, kernel: KernelSession) -> None: ...
+        def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
         async def _awake(self, live: LiveSession) -> KernelSession: ...
 
     async def _recover(self, live: LiveSession, dead: KernelSession, reason: str) -> None:
@@ -279,10 +281,10 @@ class Continuity:
 
     async def hibernate(self, live: LiveSession) -> None:
         """Snapshot the session within ``hibernate_timeout`` (or ``snapshot_timeout``, the
-        bound of every capture, if lower) and remove its sandbox. A
-        snapshot past the deadline is interrupted (the engine's escalation for a call that
-        runs too long) and the session stays awake; the loop tries again once it has been
-        idle long enough (see :meth:`_hibernate_idle`)."""
+        bound of every capture, if lower) and remove its sandbox. A snapshot past the
+        deadline is interrupted (the engine's escalation for a call that runs too long) and
+        the session stays awake; so does a session used while it was captured. The loop
+        tries again once it has been idle long enough (see :meth:`_hibernate_idle`)."""
         gateway = self.settings.gateway
         timeout, knob = hibernate_deadline(gateway.hibernate_timeout, gateway.snapshot_timeout)
         async with live.wake_lock:
@@ -300,10 +302,16 @@ class Continuity:
                 if time.monotonic() - t0 < timeout:
                     raise
                 raise KernelError(
-                    f"its hibernation snapshot ran past the {timeout:g} s deadline "
-                    f"({knob}) and was stopped; the session "
-                    f"stays awake ({exc})"
+                    f"its hibernation snapshot ran past the {timeout:g} s deadline ({knob}) "
+                    f"and was stopped; the session stays awake ({exc})"
                 ) from exc
+            if kernel.running is not None or kernel.queue_length or live.last_active > t0:
+                # Used meanwhile (a cell was queued behind the capture): closing now would
+                # cut that cell short and wake to the state from before it.
+                await self.store.delete_snapshot(info.id)
+                self.blobs.remove(info.id)
+                log.info("session %s was used while hibernating; it stays awake", live.id)
+                return
             live.kernel = None
             # Listed as hibernated only once the sandbox is really gone; a request that
             # arrives meanwhile waits on the lock (see _awake) and then wakes the session.
@@ -388,8 +396,7 @@ class Continuity:
         try:
             answers = await kernel.call(calls.capture(name), calls.RESULT, timeout=timeout)
         except KernelhubError:  # a capture cut short may have left part of its files
-            with contextlib.suppress(KernelhubError):
-                await kernel.call(calls.remove(name), {}, timeout=60)
+            self._spawn(self._remove_capture(kernel, name))
             raise
         result = calls.result(answers)
         snapshot_id = uuid.uuid4().hex[:16]
@@ -399,8 +406,7 @@ class Continuity:
                 snapshot_id, kernel.sandbox.pack_snapshot(name, limit), limit
             )
         finally:
-            with contextlib.suppress(KernelhubError):
-                await kernel.call(calls.remove(name), {}, timeout=timeout)
+            self._spawn(self._remove_capture(kernel, name))
         metadata = {
             "kind": kind,
             "duration": time.monotonic() - t0,
@@ -431,6 +437,13 @@ class Continuity:
             )
         )
         return _snapshot_info(stored)
+
+    async def _remove_capture(self, kernel: KernelSession, name: str) -> None:
+        """Remove a capture's files in the sandbox when the kernel gets to it. Not awaited
+        by the capture: a cell queued meanwhile may run for hours, and a hibernation slot
+        must not wait for it."""
+        with contextlib.suppress(KernelhubError):
+            await kernel.call(calls.remove(name), {}, timeout=60)
 
     async def snapshots(self, principal: Principal) -> list[SnapshotInfo]:
         stored = await self.store.list_snapshots(principal.name)

@@ -73,3 +73,35 @@ async def test_a_session_that_stalls_pickling_does_not_hold_up_the_others(
     warning = f"could not hibernate session {stalled}: its hibernation snapshot ran past"
     await eventually(lambda: warning in gw.log.read_text(), 10, interval=0.1)
     assert "KERNELHUB_GATEWAY__HIBERNATE_TIMEOUT" in gw.log.read_text()
+
+
+async def test_a_cell_sent_during_the_capture_is_not_lost_to_hibernation(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    gw = make_gateway(KERNELHUB_GATEWAY__HIBERNATE_AFTER=str(2 * UNIT))
+    token = gw.token("alice")
+    h = auth(token)
+    slow = STALL.replace("3600", str(4 * UNIT)).replace("x = 41", "n = 1")  # a slow capture
+    async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
+        sid = await new_session(http, token)
+        await run(http, token, sid, slow)
+
+        async def state() -> str:
+            return str((await http.get(f"/v1/sessions/{sid}", headers=h)).json()["state"])
+
+        t0 = time.monotonic()
+        seen = [await state()]
+        while seen[-1] != "busy":  # nothing of ours runs: that is the capture
+            assert time.monotonic() - t0 < 30 * UNIT, f"no hibernation started: {seen}"
+            await asyncio.sleep(0.05)
+            if (now := await state()) != seen[-1]:
+                seen.append(now)
+        during = await run(http, token, sid, "n += 1\nprint(n)")
+        assert stdout(during) == "2\n"
+        t0 = time.monotonic()
+        while await state() != "hibernated":  # the next try, once idle again
+            assert time.monotonic() - t0 < 60 * UNIT, "never hibernated"
+            await asyncio.sleep(0.1)
+        woke = await run(http, token, sid, "print(n)")
+        assert stdout(woke) == "2\n"  # not the state from before the cell
+    assert f"session {sid} was used while hibernating" in gw.log.read_text()
