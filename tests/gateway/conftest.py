@@ -96,18 +96,6 @@ def gateway_run_dir() -> Path:
     return Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
 
 
-def remove_sandboxes() -> None:
-    """A stopping gateway leaves its sandboxes running for re-adoption, on purpose; a
-    test removes them (by label, as any cleanup must)."""
-    import docker
-
-    client = docker.from_env()
-    label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
-    for container in client.containers.list(all=True, filters={"label": label}):
-        container.remove(force=True)
-    client.close()
-
-
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Gateway]:
     gw = Gateway(tmp_path / "data", gateway_run_dir())
@@ -115,6 +103,18 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
     yield gw
     gw.stop()
     remove_sandboxes()
+
+
+def remove_sandboxes() -> None:
+    """A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
+    tests remove them (by label, as any cleanup must)."""
+    import docker
+
+    client = docker.from_env()
+    label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
+    for container in client.containers.list(all=True, filters={"label": label}):
+        container.remove(force=True)
+    client.close()
 
 
 @pytest.fixture
