@@ -110,6 +110,15 @@ class GatewaySettings(BaseModel):
         description="seconds idle before a session is snapshotted and its sandbox removed "
         "(it wakes on next use); None keeps sandboxes up",
     )
+    hibernate_timeout: float = Field(
+        300.0,
+        gt=0,
+        description="seconds a hibernation snapshot may take (snapshot_timeout if lower); "
+        "past it the capture is interrupted and the session stays awake until its next try",
+    )
+    hibernate_concurrency: int = Field(
+        3, ge=1, le=16, description="idle sessions hibernated at once"
+    )
     recover_crashed: bool = Field(
         True,
         description="bring a session whose kernel died back from its last checkpoint "
@@ -212,6 +221,14 @@ class BatchSettings(BaseModel):
 
     concurrency: int = Field(
         4, ge=1, le=256, description="batch items running at once, all batches together"
+    )
+    principal_concurrency: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="batch items one principal runs at once, all its batches together; "
+        "None: half of KERNELHUB_BATCH__CONCURRENCY, rounded up, so another principal's "
+        "batch always finds a free slot",
     )
     max_queued_items: int = Field(
         1000, ge=1, description="items waiting to run, all batches; beyond it: 429"

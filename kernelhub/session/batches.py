@@ -11,12 +11,11 @@ after the manager's ``start`` (it settles what a previous process left unfinishe
 :meth:`close` before the manager's ``close``. REST handlers call :meth:`submit`,
 :meth:`info`, :meth:`list_batches` and :meth:`cancel`; each raises kernelhub errors only.
 
-Tasks: one dispatcher task per live batch (owned here, cancelled by :meth:`close`) starts
-that batch's items in order as slots free up, each as a child task in the dispatcher's
-task group. A slot is one permit of the global semaphore (``KERNELHUB_BATCH__CONCURRENCY``)
-and one of the batch's own (its ``concurrency``); a dispatcher waits for at most one global
-permit at a time, so concurrent batches take turns. Session deletions run as tasks owned
-here too, so a second cancellation cannot leave a session behind.
+Scheduling: a :class:`~kernelhub.session.fair_queue.FairQueue` picks the item that starts
+whenever a slot may have freed; principals take turns and none holds every slot, so one
+tenant's day-long items cannot starve another's batch. Each started item is a task owned
+here (cancelled and awaited by :meth:`close`), and so is each session deletion, so a
+second cancellation cannot leave a session behind.
 
 Persistence: batches and items are rows in the store, updated at each transition, and
 every read comes from there. Items a previous process left unfinished are marked failed
@@ -45,6 +44,7 @@ from typing import Any
 from kernelhub.config import Settings
 from kernelhub.errors import InvalidRequestError, KernelhubError, NotFoundError, QuotaError
 from kernelhub.models import ExecutionStatus
+from kernelhub.session.fair_queue import FairQueue, principal_cap
 from kernelhub.session.manager import SessionManager, execution_info
 from kernelhub.store.sqlite import Principal, SqliteStore, StoredBatch, StoredBatchItem
 from kernelhub.wire import (
@@ -134,9 +134,7 @@ class _Batch:
     id: str
     owner: Principal
     items: list[_Item]  # the ones that run (duplicates do not)
-    slots: asyncio.Semaphore
     cancelled: bool = False
-    task: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -158,8 +156,12 @@ class BatchRunner:
         self.manager = manager
         self.store = store
         self.observer = observer or BatchObserver()
-        self._slots = asyncio.Semaphore(settings.batch.concurrency)
+        cfg = settings.batch
+        self._queue: FairQueue[_Item] = FairQueue(
+            cfg.concurrency, principal_cap(cfg.concurrency, cfg.principal_concurrency)
+        )
         self._batches: dict[str, _Batch] = {}
+        self._runs: set[asyncio.Task[None]] = set()
         self._cleanups: set[asyncio.Task[None]] = set()
         self._submit_lock = asyncio.Lock()
         self._queued = 0
@@ -226,14 +228,15 @@ class BatchRunner:
         fail saying to submit them again. Nothing is left unrecorded."""
         self._closing = True
         batches = list(self._batches.values())
-        for batch in batches:
-            if batch.task is not None:
-                batch.task.cancel()
-        await asyncio.gather(*(b.task for b in batches if b.task), return_exceptions=True)
+        runs = list(self._runs)
+        for task in runs:
+            task.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
         now = datetime.now(UTC)
         for batch in batches:
             for item in batch.items:
-                if item.status == ExecutionStatus.QUEUED:
+                # Still running here: its task was cancelled before its first step.
+                if not item.status.is_final:
                     await self._finish(
                         batch,
                         item,
@@ -317,11 +320,12 @@ class BatchRunner:
                     for row in rows
                     if row.duplicate_of is None
                 ],
-                slots=asyncio.Semaphore(concurrency),
             )
-            self._queued += len(batch.items)
-            self._batches[batch.id] = batch
-            batch.task = asyncio.create_task(self._dispatch(batch), name=f"batch-{batch.id}")
+            if batch.items:
+                self._queued += len(batch.items)
+                self._batches[batch.id] = batch
+                self._queue.add(principal.name, batch.id, batch.items, concurrency)
+                self._start_due()
         return await self.info(principal, stored.id, results=False)
 
     async def info(self, principal: Principal, batch_id: str, *, results: bool = True) -> BatchInfo:
@@ -370,9 +374,10 @@ class BatchRunner:
         batch = self._batches.get(batch_id)
         if batch is not None and not batch.cancelled:
             batch.cancelled = True
+            dropped = self._queue.drop(batch_id)  # before any await: none of them starts
             await self.store.cancel_batch(batch_id)
             now = datetime.now(UTC)
-            for item in batch.items:
+            for item in dropped:
                 if item.status == ExecutionStatus.QUEUED:
                     outcome = _Outcome(
                         status=ExecutionStatus.CANCELLED,
@@ -383,30 +388,26 @@ class BatchRunner:
             await asyncio.gather(
                 *(self._stop(batch, i) for i in batch.items if i.status == ExecutionStatus.RUNNING)
             )
+            self._forget_if_ended(batch)
         return await self.info(principal, batch_id, results=False)
 
     # -- running -----------------------------------------------------------------------
 
-    async def _dispatch(self, batch: _Batch) -> None:
-        try:
-            async with asyncio.TaskGroup() as group:
-                for item in batch.items:
-                    await batch.slots.acquire()
-                    try:
-                        await self._slots.acquire()
-                    except BaseException:
-                        batch.slots.release()
-                        raise
-                    if item.status != ExecutionStatus.QUEUED:  # cancelled while it waited
-                        self._slots.release()
-                        batch.slots.release()
-                        continue
-                    item.status = ExecutionStatus.RUNNING
-                    self._queued -= 1
-                    group.create_task(self._run(batch, item), name=f"batch-{batch.id}-{item.index}")
-        except* Exception:  # _run records every failure; this would be a bug in it
-            log.exception("batch %s stopped unexpectedly", batch.id)
-        finally:
+    def _start_due(self) -> None:
+        """Start every item the queue lets start now (see the module on the turns)."""
+        while not self._closing and (due := self._queue.next()) is not None:
+            batch_id, item = due
+            batch = self._batches[batch_id]
+            item.status = ExecutionStatus.RUNNING
+            self._queued -= 1
+            task = asyncio.create_task(
+                self._run(batch, item), name=f"batch-{batch.id}-{item.index}"
+            )
+            self._runs.add(task)
+            task.add_done_callback(self._runs.discard)
+
+    def _forget_if_ended(self, batch: _Batch) -> None:
+        if all(i.status.is_final for i in batch.items):
             self._batches.pop(batch.id, None)
 
     async def _run(self, batch: _Batch, item: _Item) -> None:
@@ -485,8 +486,9 @@ class BatchRunner:
                 seconds = time.monotonic() - t0
                 self._item_seconds = 0.8 * self._item_seconds + 0.2 * seconds
             finally:
-                self._slots.release()
-                batch.slots.release()
+                self._queue.done(batch.id)
+                self._forget_if_ended(batch)
+                self._start_due()
 
     async def _create(self, batch: _Batch, item: _Item) -> str:
         """A fresh session for the item, waiting for session quota up to a bound. Shielded:

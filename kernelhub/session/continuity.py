@@ -16,11 +16,12 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kernelhub.config import Settings
-from kernelhub.errors import KernelhubError, NotFoundError, SessionError
+from kernelhub.errors import KernelError, KernelhubError, NotFoundError, SessionError
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
 from kernelhub.models import ExecutionStatus, NoticeEvent
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
@@ -49,6 +50,7 @@ class Continuity:
 
         async def _get(self, principal: Principal, session_id: str) -> LiveSession: ...
         def _bind(self, live: LiveSession, kernel: KernelSession) -> None: ...
+        def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
         async def _awake(self, live: LiveSession) -> KernelSession: ...
 
     @staticmethod
@@ -216,37 +218,109 @@ class Continuity:
 
     async def _hibernate_idle(self) -> None:
         """Every few seconds: snapshot and remove the sandbox of each session idle for
-        ``hibernate_after`` seconds. It wakes, transparently, on its next use."""
-        after = self.settings.gateway.hibernate_after
+        ``hibernate_after`` seconds. It wakes, transparently, on its next use.
+
+        Up to ``hibernate_concurrency`` sessions at once, each within its own
+        ``hibernate_timeout``: one at a time, a session whose objects stalled pickling held
+        up the hibernation of every other one for as long as it stalled. A session whose
+        hibernation failed waits twice as long idle before each next try, so a few that
+        always stall cannot keep every slot busy."""
+        gateway = self.settings.gateway
+        after = gateway.hibernate_after
         if after is None:
             return
-        while True:
-            await asyncio.sleep(min(after / 2, 5.0))
-            now = time.monotonic()
-            for live in list(self.sessions.values()):
-                kernel = live.kernel
-                idle = (
-                    live.state == SessionState.READY
-                    and kernel is not None
-                    and kernel.alive
-                    and not kernel.paused
-                    and kernel.running is None
-                    and kernel.queue_length == 0
-                    and now - live.last_active >= after
+        slots = asyncio.Semaphore(gateway.hibernate_concurrency)
+        going: set[str] = set()  # sessions with a hibernation waiting or under way
+        failures: dict[str, int] = {}  # session id -> tries failed in a row
+        async with asyncio.TaskGroup() as group:
+            while True:
+                await asyncio.sleep(min(after / 2, 5.0))
+                for sid in failures.keys() - self.sessions.keys():
+                    del failures[sid]
+                for live in list(self.sessions.values()):
+                    wait = idle_wait(after, failures.get(live.id, 0))
+                    if live.id not in going and self._idle(live, wait):
+                        going.add(live.id)
+                        turn = self._hibernate_in_turn(live, after, slots, going, failures)
+                        group.create_task(turn)
+
+    @staticmethod
+    def _idle(live: LiveSession, seconds: float) -> bool:
+        kernel = live.kernel
+        return (
+            live.state == SessionState.READY
+            and kernel is not None
+            and kernel.alive
+            and not kernel.paused
+            and kernel.running is None
+            and kernel.queue_length == 0
+            and time.monotonic() - live.last_active >= seconds
+        )
+
+    async def _hibernate_in_turn(
+        self,
+        live: LiveSession,
+        after: float,
+        slots: asyncio.Semaphore,
+        going: set[str],
+        failures: dict[str, int],
+    ) -> None:
+        """One idle session's hibernation, once a slot is free; never raises (a task of
+        the hibernation loop's group) except to be cancelled."""
+        try:
+            async with slots:
+                # It may have been used while it waited for the slot.
+                if self._idle(live, idle_wait(after, failures.get(live.id, 0))):
+                    await self.hibernate(live)
+                    failures.pop(live.id, None)
+        except Exception as exc:
+            failures[live.id] = failures.get(live.id, 0) + 1
+            if isinstance(exc, KernelhubError):
+                log.warning(
+                    "could not hibernate session %s: %s; next try after %g s idle",
+                    live.id,
+                    exc,
+                    idle_wait(after, failures[live.id]),
                 )
-                if idle:
-                    try:
-                        await self.hibernate(live)
-                    except KernelhubError as exc:
-                        log.warning("could not hibernate session %s: %s", live.id, exc)
+            else:
+                log.exception("hibernating session %s failed unexpectedly", live.id)
+        finally:
+            going.discard(live.id)
 
     async def hibernate(self, live: LiveSession) -> None:
+        """Snapshot the session within ``hibernate_timeout`` (or ``snapshot_timeout``, the
+        bound of every capture, if lower) and remove its sandbox. A snapshot past the
+        deadline is interrupted (the engine's escalation for a call that runs too long) and
+        the session stays awake; so does a session used while it was captured. The loop
+        tries again once it has been idle long enough (see :meth:`_hibernate_idle`)."""
+        gateway = self.settings.gateway
+        timeout, knob = hibernate_deadline(gateway.hibernate_timeout, gateway.snapshot_timeout)
         async with live.wake_lock:
-            if live.state != SessionState.READY or live.kernel is None:
+            kernel = live.kernel
+            if live.state != SessionState.READY or kernel is None:
                 return
             owner = Principal(name=live.stored.owner)
-            info = await self.snapshot(owner, live.id, None, kind="hibernation")
-            kernel, live.kernel = live.kernel, None
+            t0 = time.monotonic()
+            try:
+                info = await self._capture(
+                    owner, live, kernel, None, kind="hibernation", timeout=timeout
+                )
+            except KernelhubError as exc:
+                live.last_active = time.monotonic()  # idle again from now before a next try
+                if time.monotonic() - t0 < timeout:
+                    raise
+                raise KernelError(
+                    f"its hibernation snapshot ran past the {timeout:g} s deadline ({knob}) "
+                    f"and was stopped; the session stays awake ({exc})"
+                ) from exc
+            if kernel.running is not None or kernel.queue_length or live.last_active > t0:
+                # Used meanwhile (a cell was queued behind the capture): closing now would
+                # cut that cell short and wake to the state from before it.
+                await self.store.delete_snapshot(info.id)
+                self.blobs.remove(info.id)
+                log.info("session %s was used while hibernating; it stays awake", live.id)
+                return
+            live.kernel = None
             # Listed as hibernated only once the sandbox is really gone; a request that
             # arrives meanwhile waits on the lock (see _awake) and then wakes the session.
             await kernel.close()
@@ -313,10 +387,28 @@ class Continuity:
         if kind == "snapshot":  # a low disk refuses snapshots; hibernation frees memory
             self.storage.check_disk()
         kernel = await self._awake(live)
-        name = f"snap-{uuid.uuid4().hex[:12]}"
         timeout = self.settings.gateway.snapshot_timeout
+        return await self._capture(principal, live, kernel, client, kind=kind, timeout=timeout)
+
+    async def _capture(
+        self,
+        principal: Principal,
+        live: LiveSession,
+        kernel: KernelSession,
+        client: str | None,
+        *,
+        kind: str,
+        timeout: float,
+    ) -> SnapshotInfo:
+        session_id = live.id
+        name = f"snap-{uuid.uuid4().hex[:12]}"
         t0 = time.monotonic()
-        result = calls.result(await kernel.call(calls.capture(name), calls.RESULT, timeout=timeout))
+        try:
+            answers = await kernel.call(calls.capture(name), calls.RESULT, timeout=timeout)
+        except KernelhubError:  # a capture cut short may have left part of its files
+            self._spawn(self._remove_capture(kernel, name))
+            raise
+        result = calls.result(answers)
         snapshot_id = uuid.uuid4().hex[:16]
         limit = self.settings.gateway.max_snapshot_bytes
         try:
@@ -324,8 +416,7 @@ class Continuity:
                 snapshot_id, kernel.sandbox.pack_snapshot(name, limit), limit
             )
         finally:
-            with contextlib.suppress(KernelhubError):
-                await kernel.call(calls.remove(name), {}, timeout=timeout)
+            self._spawn(self._remove_capture(kernel, name))
         metadata = {
             "kind": kind,
             "duration": time.monotonic() - t0,
@@ -356,6 +447,13 @@ class Continuity:
             )
         )
         return _snapshot_info(stored)
+
+    async def _remove_capture(self, kernel: KernelSession, name: str) -> None:
+        """Remove a capture's files in the sandbox when the kernel gets to it. Not awaited
+        by the capture: a cell queued meanwhile may run for hours, and a hibernation slot
+        must not wait for it."""
+        with contextlib.suppress(KernelhubError):
+            await kernel.call(calls.remove(name), {}, timeout=60)
 
     async def snapshots(self, principal: Principal) -> list[SnapshotInfo]:
         stored = await self.store.list_snapshots(principal.name)
@@ -408,6 +506,20 @@ class Continuity:
             )
         )
         return report
+
+
+def hibernate_deadline(hibernate_timeout: float, snapshot_timeout: float) -> tuple[float, str]:
+    """Seconds a hibernation's capture may take, and the variable that sets them: the
+    lower of its own bound and the one on every capture."""
+    if hibernate_timeout <= snapshot_timeout:
+        return hibernate_timeout, "KERNELHUB_GATEWAY__HIBERNATE_TIMEOUT"
+    return snapshot_timeout, "KERNELHUB_GATEWAY__SNAPSHOT_TIMEOUT"
+
+
+def idle_wait(after: float, failures: int) -> float:
+    """Seconds a session must be idle before a hibernation try: ``after``, doubled for
+    each try that failed in a row (at most 64 times ``after``)."""
+    return after * (1 << min(failures, 6))
 
 
 def _snapshot_info(s: StoredSnapshot) -> SnapshotInfo:

@@ -19,13 +19,28 @@ def _check(name: str) -> str:
     return name
 
 
+# An exception out of a capture or restore is raised again from the call's own line, with
+# the inner frames as plain text: IPython's highlighted traceback of the deep stack through
+# the helper module took 2-10 s of CPU on a loaded host, past the interrupt grace, so a
+# capture interrupted at its deadline restarted the kernel (its variables lost) instead.
+_GUARD = """\
+try:
+    {call}
+except KeyboardInterrupt:
+    raise KeyboardInterrupt from None
+except BaseException as exc:
+    raise RuntimeError(''.join(__import__('traceback').format_exception(exc, limit=-4))) from None
+"""
+
+
 def capture(name: str, base: str | None = None) -> str:
     base_arg = _DIR.format(name=_check(base)) if base else "None"
-    return f"{_MODULE}.capture({_DIR.format(name=_check(name))}, base={base_arg})"
+    call = f"{_MODULE}.capture({_DIR.format(name=_check(name))}, base={base_arg})"
+    return _GUARD.format(call=call)
 
 
 def restore(name: str) -> str:
-    return f"{_MODULE}.restore({_DIR.format(name=_check(name))})"
+    return _GUARD.format(call=f"{_MODULE}.restore({_DIR.format(name=_check(name))})")
 
 
 def remove(name: str) -> str:

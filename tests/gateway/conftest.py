@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -115,3 +115,20 @@ def remove_sandboxes() -> None:
     for container in client.containers.list(all=True, filters={"label": label}):
         container.remove(force=True)
     client.close()
+
+
+@pytest.fixture
+def make_gateway(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
+    """A gateway with extra settings; stopped, and its sandboxes removed, after the test."""
+    made: list[Gateway] = []
+
+    def make(**env: str) -> Gateway:
+        gw = Gateway(tmp_path / "data", gateway_run_dir(), **env)
+        gw.start()
+        made.append(gw)
+        return gw
+
+    yield make
+    for gw in made:
+        gw.stop()
+    remove_sandboxes()

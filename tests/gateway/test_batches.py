@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import time
-from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from kernelhub.client import AsyncHub, BatchInfo, BatchState, ExecutionStatus, batch_item
-from tests.conftest import RUN_INSTANCE, UNIT
+from tests.conftest import UNIT
 from tests.gateway.conftest import Gateway
 
 pytestmark = pytest.mark.docker
@@ -59,30 +56,6 @@ async def poll(http: httpx.AsyncClient, token: str, batch_id: str, done: Any) ->
             return body
         assert time.monotonic() < deadline, body
         await asyncio.sleep(0.1)
-
-
-@pytest.fixture
-def make_gateway(tmp_path: Path) -> Iterator[Any]:
-    """A gateway with extra settings; stopped, and its sandboxes removed, after the test."""
-    made: list[Gateway] = []
-    run_dir = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
-
-    def make(**env: str) -> Gateway:
-        gw = Gateway(tmp_path / "data", run_dir, **env)
-        gw.start()
-        made.append(gw)
-        return gw
-
-    yield make
-    for gw in made:
-        gw.stop()
-    import docker
-
-    client = docker.from_env()
-    label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
-    for container in client.containers.list(all=True, filters={"label": label}):
-        container.remove(force=True)
-    client.close()
 
 
 async def test_items_run_in_fresh_sessions_with_their_files_and_results(
@@ -140,7 +113,9 @@ async def test_items_run_in_fresh_sessions_with_their_files_and_results(
 
 async def test_capacity_cancel_access_and_bad_requests(make_gateway: Any) -> None:
     gw: Gateway = make_gateway(
-        KERNELHUB_BATCH__CONCURRENCY="2", KERNELHUB_BATCH__MAX_QUEUED_ITEMS="4"
+        KERNELHUB_BATCH__CONCURRENCY="2",
+        KERNELHUB_BATCH__PRINCIPAL_CONCURRENCY="2",
+        KERNELHUB_BATCH__MAX_QUEUED_ITEMS="4",
     )
     alice, bob = gw.token("alice"), gw.token("bob")
     async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
@@ -197,6 +172,38 @@ async def test_capacity_cancel_access_and_bad_requests(make_gateway: Any) -> Non
         assert (await http.get("/v1/sessions", headers=auth(alice))).json() == {"sessions": []}
         metrics = (await http.get("/metrics", headers=auth(alice))).text
         assert 'kernelhub_batch_items_total{status="cancelled"} 2.0' in metrics
+
+
+async def test_one_principals_long_batch_does_not_starve_anothers(make_gateway: Any) -> None:
+    # Two slots: by default one principal runs at most one item, and the turns alternate.
+    gw: Gateway = make_gateway(KERNELHUB_BATCH__CONCURRENCY="2")
+    alice, bob = gw.token("alice"), gw.token("bob")
+    async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
+        r = await http.post(
+            "/v1/batches", json={"items": [{"code": SLEEP}] * 3}, headers=auth(alice)
+        )
+        assert r.status_code == 202, r.text
+        long = r.json()["id"]
+        await poll(http, alice, long, lambda b: b["items"][0]["execution_id"] is not None)
+        r = await http.post(
+            "/v1/batches",
+            json={"items": [{"code": f"print({n} * 7)"} for n in range(3)]},
+            headers=auth(bob),
+        )
+        assert r.status_code == 202, r.text
+        short = await poll(http, bob, r.json()["id"], lambda b: b["state"] == "finished")
+        assert short["counts"] == {"completed": 3}, short
+        # Alice's first item still sleeps and her others still wait: her cap held.
+        still = (await http.get(f"/v1/batches/{long}?results=false", headers=auth(alice))).json()
+        assert still["counts"] == {"running": 1, "queued": 2}, still
+        full = (await http.get(f"/v1/batches/{short['id']}", headers=auth(bob))).json()
+        printed = [
+            "".join(e["text"] for e in i["result"]["events"] if e["type"] == "stream")
+            for i in full["items"]
+        ]
+        assert printed == ["0\n", "7\n", "14\n"]
+        await http.post(f"/v1/batches/{long}/cancel", headers=auth(alice))
+        await poll(http, alice, long, lambda b: b["state"] == "cancelled")
 
 
 async def test_a_restart_fails_unfinished_items_and_frees_their_keys(make_gateway: Any) -> None:

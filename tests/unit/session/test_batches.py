@@ -297,9 +297,30 @@ async def test_runs_bounded_fresh_and_cleaned_up(tmp_path: Path, store: SqliteSt
     assert runner.queue_length == 0 and runner.running == 0
 
 
+async def test_a_principals_long_batch_leaves_room_for_anothers(
+    tmp_path: Path, store: SqliteStore
+) -> None:
+    fake = FakeManager()
+    runner = BatchRunner(batch_settings(tmp_path, concurrency=4), fake, store)  # type: ignore[arg-type]
+    bob = Principal(name="bob")
+    try:
+        long = await runner.submit(ALICE, items(*["hang"] * 6))
+        await eventually(lambda: runner.running == 2, 5)  # half the slots, not all four
+        short = await runner.submit(bob, items(*["ok"] * 5))
+        async with asyncio.timeout(10 * UNIT):
+            while (await runner.info(bob, short.id)).state != BatchState.FINISHED:
+                await asyncio.sleep(0.01)
+        still = await runner.info(ALICE, long.id, results=False)
+        assert still.counts == {"running": 2, "queued": 4}
+        await runner.cancel(ALICE, long.id)
+        await finished(runner, long.id)
+    finally:
+        await runner.close()
+
+
 async def test_capacity_keys_and_access(tmp_path: Path, store: SqliteStore) -> None:
     fake = FakeManager()
-    settings = batch_settings(tmp_path, max_queued_items=5, max_items=5)
+    settings = batch_settings(tmp_path, max_queued_items=5, max_items=5, principal_concurrency=3)
     runner = BatchRunner(settings, fake, store)  # type: ignore[arg-type]
     try:
         with pytest.raises(InvalidRequestError, match="MAX_ITEMS"):
@@ -332,7 +353,8 @@ async def test_capacity_keys_and_access(tmp_path: Path, store: SqliteStore) -> N
 
 async def test_cancel_interrupts_and_stops_the_stubborn(tmp_path: Path, store: SqliteStore) -> None:
     fake = FakeManager()
-    runner = BatchRunner(batch_settings(tmp_path), fake, store)  # type: ignore[arg-type]
+    settings = batch_settings(tmp_path, principal_concurrency=3)
+    runner = BatchRunner(settings, fake, store)  # type: ignore[arg-type]
     try:
         batch = await runner.submit(
             ALICE, items("hang", "stubborn", "hang", "ok", "ok", idempotency_key=None)
