@@ -172,7 +172,7 @@ def build_image(
     started = time.monotonic()
     own_client = client is None
     if client is None:
-        client = _make_client(settings)
+        client = docker_client(settings)
     try:
         sources = sources or kernel_image_dir()
 
@@ -281,7 +281,8 @@ def _remove_replaced(
         progress(f"kept the replaced image {image_id[:19]}: {exc.explanation or exc}")
 
 
-def _make_client(settings: Settings) -> docker.DockerClient:
+def docker_client(settings: Settings) -> docker.DockerClient:
+    """A client for the daemon ``settings.docker`` names; no answer: BackendUnavailableError."""
     with docker_errors("connecting to the Docker daemon"):
         if settings.docker.base_url:
             return docker.DockerClient(base_url=settings.docker.base_url)
@@ -456,6 +457,7 @@ __all__ = [
     "ImageInfo",
     "build_image",
     "check_image",
+    "docker_client",
     "image_info",
     "kernel_image_dir",
     "resolve_base",

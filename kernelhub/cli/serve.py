@@ -1,0 +1,298 @@
+"""``kernelhub serve``: check the machine, say which sandbox backend runs and why, build the
+kernel image on first use, serve, and only then make the first admin token.
+
+Order matters for a newcomer: a start that cannot work stops before anything is printed
+that looks like success (a token for a gateway that never ran was the old failure), and
+says in one line what to install or start. :func:`choose_backend` is the pure decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from kernelhub.config import Settings
+from kernelhub.errors import BackendUnavailableError, ImageError, KernelhubError
+
+DOCKER_ISOLATION = (
+    "one locked-down container per session: no network, read-only root, no capabilities, "
+    "seccomp, non-root, memory/CPU/pids limits"
+)
+BWRAP_ISOLATION = (
+    "bubblewrap namespaces on this host: no network and a private /workspace, but weaker "
+    "than Docker: no memory/CPU/pids limits, the host's system directories visible read-only"
+)
+NO_ISOLATION = (
+    "NONE: kernels run as plain host processes with your user's rights "
+    "(KERNELHUB_LOCAL__UNISOLATED is set and bubblewrap is missing)"
+)
+
+
+@dataclass(frozen=True)
+class DockerProbe:
+    """What ``serve`` found out about Docker before choosing a backend."""
+
+    where: str  # the daemon address tried
+    problem: str | None  # None: it answered
+    installed: bool  # a docker/dockerd binary is on PATH
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: str  # "docker" or "local"
+    why: str
+    isolation: str
+
+    def lines(self) -> list[str]:
+        return [f"backend: {self.backend} ({self.why})", f"isolation: {self.isolation}"]
+
+
+def install_command(packages: list[str], *, root: bool) -> str:
+    return f"{'' if root else 'sudo '}apt-get install -y {' '.join(packages)}"
+
+
+def docker_fix(probe: DockerProbe, *, root: bool) -> str:
+    """The one command that gets a Docker daemon answering at ``probe.where``."""
+    sudo = "" if root else "sudo "
+    if not probe.installed:
+        return f"install it: `{install_command(['docker.io'], root=root)}`"
+    if probe.problem and "permission denied" in probe.problem.lower():
+        return f"let your user use it: `{sudo}usermod -aG docker $USER` (then log in again)"
+    return f"start it: `{sudo}systemctl start docker` (or `{sudo}dockerd &`)"
+
+
+def choose_backend(
+    requested: str, docker: DockerProbe, *, bwrap: str | None, unisolated: bool, root: bool
+) -> BackendChoice:
+    """The backend ``serve`` runs, with its reason and isolation, or a
+    :class:`BackendUnavailableError` whose message is the one thing to do. Never falls
+    back to running without isolation unless ``unisolated`` was set explicitly."""
+    down = f"the Docker daemon is not reachable at {docker.where}: {docker.problem}"
+    if requested == "docker":
+        if docker.problem is not None:
+            raise BackendUnavailableError(
+                f"the docker backend was asked for (--backend / KERNELHUB_BACKEND) but {down}; "
+                f"{docker_fix(docker, root=root)}, or use --backend local"
+            )
+        return BackendChoice(
+            "docker", f"asked for; the daemon answers at {docker.where}", DOCKER_ISOLATION
+        )
+    if requested == "auto" and docker.problem is None:
+        return BackendChoice(
+            "docker", f"the Docker daemon answers at {docker.where}", DOCKER_ISOLATION
+        )
+    why = "asked for" if requested == "local" else down
+    if bwrap is not None:
+        return BackendChoice("local", why, BWRAP_ISOLATION)
+    if unisolated:
+        return BackendChoice("local", why, NO_ISOLATION)
+    if requested == "local":
+        raise BackendUnavailableError(
+            "the local backend needs bubblewrap, which is not installed; install it: "
+            f"`{install_command(['bubblewrap'], root=root)}` (or set KERNELHUB_LOCAL__UNISOLATED=1 "
+            "to run kernels without any isolation)"
+        )
+    raise BackendUnavailableError(
+        f"no sandbox is available: {down}, and bubblewrap is not installed; install both: "
+        f"`{install_command(['docker.io', 'bubblewrap'], root=root)}`"
+        + (
+            ""
+            if not docker.installed
+            else f" — Docker is installed: {docker_fix(docker, root=root)}"
+        )
+    )
+
+
+def probe_docker(base_url: str | None) -> DockerProbe:
+    """Ping the daemon (3 s at most) and say where, and what went wrong, in a few words."""
+    import docker
+
+    where = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    installed = bool(shutil.which("dockerd") or shutil.which("docker"))
+    try:
+        client = (
+            docker.DockerClient(base_url=base_url, timeout=3)
+            if base_url
+            else docker.from_env(timeout=3)
+        )
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (docker.errors.DockerException, OSError) as exc:
+        return DockerProbe(where, _short(exc), installed)
+    return DockerProbe(where, None, installed)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    for needle, said in (
+        ("FileNotFoundError", "no socket there"),
+        ("No such file", "no socket there"),
+        ("PermissionError", "permission denied"),
+        ("Permission denied", "permission denied"),
+        ("Connection refused", "connection refused"),
+        ("timed out", "timed out"),
+    ):
+        if needle in text:
+            return said
+    return text.splitlines()[0][:120] if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------- serve
+
+
+def serve(settings: Settings, *, build: bool = True) -> int:
+    """Run the gateway in the foreground until interrupted; the exit status."""
+    probe = probe_docker(settings.docker.base_url)
+    from kernelhub.sandbox.local import bwrap_path
+
+    choice = choose_backend(
+        settings.backend,
+        probe,
+        bwrap=bwrap_path(),
+        unisolated=settings.local.unisolated,
+        root=os.geteuid() == 0,
+    )
+    for line in choice.lines():
+        print(line, flush=True)
+    settings = settings.model_copy(update={"backend": choice.backend})
+    if choice.backend == "docker":
+        ensure_image(settings, build=build)
+    return asyncio.run(_serve(settings))
+
+
+def ensure_image(settings: Settings, *, build: bool) -> None:
+    """The kernel image exists and speaks our protocol; a missing one is built (first use)."""
+    import docker
+
+    from kernelhub.image.build import check_image, docker_client
+
+    client = docker_client(settings)
+    try:
+        try:
+            info = check_image(client, settings.docker.image)
+        except ImageError:
+            try:
+                client.images.get(settings.docker.image)
+            except docker.errors.ImageNotFound:
+                if not build:
+                    raise
+            else:
+                raise  # there, but not ours or for another protocol: the message says what to do
+            print(f"kernel image {settings.docker.image} not found; building it (first use)")
+            from kernelhub.cli.host import build_kernel_image
+
+            build_kernel_image(settings, client=client)
+            return
+    finally:
+        client.close()
+    print(f"kernel image: {info.name} (python {info.python_version or '?'})", flush=True)
+
+
+class _StartupWatch:
+    """Wraps the ASGI app to catch a kernelhub error in the lifespan startup: uvicorn would
+    log its traceback; ``serve`` prints the message as one line instead."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.error: KernelhubError | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def watched(message: Any) -> None:
+            # Starlette sends startup.failed from inside its ``except`` block.
+            exc = sys.exc_info()[1]
+            if message["type"] == "lifespan.startup.failed" and isinstance(exc, KernelhubError):
+                self.error = exc
+                message = {**message, "message": ""}
+            await send(message)
+
+        await self.app(scope, receive, watched)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.error is None
+
+
+def uvicorn_config(settings: Settings, app: Any) -> Any:
+    """The server's settings (a seam for timeouts and limits)."""
+    import uvicorn
+
+    from kernelhub.gateway.ws_protocol import TurnBufferedWebSocketProtocol
+
+    gateway = settings.gateway
+    return uvicorn.Config(
+        app,
+        host=gateway.host,
+        port=gateway.port,
+        log_level="warning",
+        lifespan="on",
+        ws_max_size=4 * 2**20,
+        ws_per_message_deflate=gateway.ws_compression,
+        ws=TurnBufferedWebSocketProtocol,
+    )
+
+
+async def _serve(settings: Settings) -> int:
+    import uvicorn
+
+    from kernelhub.gateway.app import create_app
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            # ``started``: the lifespan (backend, store, manager) is up and the socket is
+            # bound. Only then does the gateway really serve, and a token is worth making.
+            if self.started:
+                await _announce(settings)
+
+    watch = _StartupWatch(create_app(settings))
+    server = Server(uvicorn_config(settings, watch))
+    logging.getLogger("uvicorn.error").addFilter(watch.filter)
+    with contextlib.suppress(SystemExit):  # uvicorn's way out of a failed startup
+        await server.serve()
+    if watch.error is not None:
+        raise watch.error
+    if not server.started:
+        gw = settings.gateway
+        raise BackendUnavailableError(
+            f"the gateway did not start on {gw.host}:{gw.port} (the line above says why); "
+            "for a port in use choose another with --port or KERNELHUB_GATEWAY__PORT"
+        )
+    return 0
+
+
+async def _announce(settings: Settings) -> None:
+    gw = settings.gateway
+    print(f"kernelhub gateway on http://{gw.host}:{gw.port} (data in {settings.data_dir})")
+    first = await bootstrap_token(settings)
+    if first:
+        print(f"no tokens existed; created admin token 'admin' (shown once): {first}")
+    else:
+        print(
+            "tokens exist already, so none is shown; make another with "
+            "`kernelhub token create --admin --name NAME`"
+        )
+    sys.stdout.flush()
+
+
+async def bootstrap_token(settings: Settings) -> str | None:
+    """The first admin token, when the store has none; None otherwise."""
+    from kernelhub.store.sqlite import SqliteStore
+
+    store = await SqliteStore.open(settings.data_dir / "kernelhub.sqlite3")
+    try:
+        if await store.list_tokens():
+            return None
+        return await store.create_token("admin", admin=True)
+    finally:
+        await store.close()
