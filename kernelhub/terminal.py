@@ -43,9 +43,10 @@ def _keep_sgr(match: re.Match[str]) -> str:
     return "\x1b[" + sgr.group(1) if sgr else ""
 
 
-def strip_controls(text: str) -> str:
-    """``text`` with every escape and control sequence removed except SGR colours."""
-    return _TOKEN.sub(_keep_sgr, text)
+def strip_controls(text: str, *, colours: bool = True) -> str:
+    """``text`` with every escape and control sequence removed except SGR colours (those
+    too without ``colours``: for a status line whose width must be known)."""
+    return _TOKEN.sub(_keep_sgr if colours else "", text)
 
 
 class TerminalFilter:

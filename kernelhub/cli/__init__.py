@@ -51,22 +51,31 @@ environment:
 """
 
 
-def _client_options() -> argparse.ArgumentParser:
-    """--url and --token, shared by every command that talks to a gateway."""
-    parent = argparse.ArgumentParser(add_help=False)
+def _client_options(parent: argparse.ArgumentParser, *, top: bool = False) -> None:
+    """--url and --token: on every command that talks to a gateway, and before the command
+    (``kernelhub --url URL sessions ls``); :func:`_resolve_client` merges them."""
     group = parent.add_argument_group("gateway")
     group.add_argument(
         "--url",
-        default=os.environ.get("KERNELHUB_URL") or DEFAULT_URL,
+        dest="top_url" if top else "url",
+        default=None,
         help=f"the gateway's address (default: $KERNELHUB_URL, else {DEFAULT_URL})",
     )
     group.add_argument(
         "--token",
-        default=os.environ.get("KERNELHUB_TOKEN"),
+        dest="top_token" if top else "token",
+        default=None,
         help="bearer token (default: $KERNELHUB_TOKEN); make one with "
         "`kernelhub token create --name NAME` where the gateway runs",
     )
-    return parent
+
+
+def _resolve_client(args: argparse.Namespace) -> None:
+    """The command's own --url/--token, else the ones before it, else the environment."""
+    if not hasattr(args, "url"):
+        return
+    args.url = args.url or args.top_url or os.environ.get("KERNELHUB_URL") or DEFAULT_URL
+    args.token = args.token or args.top_token or os.environ.get("KERNELHUB_TOKEN")
 
 
 def _flag(parent: argparse.ArgumentParser, *names: str, help: str) -> argparse.ArgumentParser:
@@ -75,7 +84,8 @@ def _flag(parent: argparse.ArgumentParser, *names: str, help: str) -> argparse.A
 
 
 def build_parser() -> argparse.ArgumentParser:
-    client = _client_options()
+    client = argparse.ArgumentParser(add_help=False)
+    _client_options(client)
     as_json = _flag(
         argparse.ArgumentParser(add_help=False), "--json", help="print JSON instead of text"
     )
@@ -107,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kernelhub {__version__}")
+    _client_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser(
@@ -272,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mcp_main(args_list[1:])
         return 0
     args = build_parser().parse_args(args_list)
+    _resolve_client(args)
     from kernelhub.cli.output import Console, describe_error
 
     console = Console(raw=getattr(args, "raw", False))

@@ -31,7 +31,7 @@ def status_line(stage: str, elapsed: float, last: str, frame: int, width: int) -
     """``⠹ [2/4] wheels  12.3 s  Collecting numpy`` cut to ``width`` columns."""
     head = f"{SPINNER[frame % len(SPINNER)]} {stage}  {elapsed:5.1f} s"
     room = width - len(head) - 2
-    tail = strip_controls(last).replace("\t", " ").strip()
+    tail = strip_controls(last, colours=False).replace("\t", " ").strip()
     if room < 8 or not tail:
         return head[:width]
     return f"{head}  {tail[:room]}"

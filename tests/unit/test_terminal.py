@@ -76,3 +76,7 @@ def test_an_endless_sequence_is_not_held_forever() -> None:
     out = f.feed("\x1b]52;c;" + "A" * (MAX_PENDING + 10))
     assert out.startswith("52;c;AAAA") and "\x1b" not in out
     assert f.flush() == ""
+
+
+def test_without_colours_nothing_is_left() -> None:
+    assert strip_controls(f"{RED}a\x1b]0;t\x07b{RESET}", colours=False) == "ab"
