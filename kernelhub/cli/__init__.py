@@ -26,6 +26,25 @@ if TYPE_CHECKING:
     from kernelhub.config import Settings
 
 DEFAULT_URL = "http://127.0.0.1:8765"
+#: Top-level modules of the ``server`` extra: without them the SDK-only install still has a
+#: ``kernelhub`` command, and server commands say what to install.
+SERVER_MODULES = frozenset(
+    [
+        "pydantic_settings",
+        "jupyter_client",
+        "ipykernel",
+        "zmq",
+        "docker",
+        "dill",
+        "psutil",
+        "pyseccomp",
+        "seccomp",
+        "fastapi",
+        "uvicorn",
+        "prometheus_client",
+        "nbformat",
+    ]
+)
 
 DESCRIPTION = """\
 Stateful, sandboxed IPython kernels for LLM agents: one locked-down container per session,
@@ -295,6 +314,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = describe_error(exc, args.url) if hasattr(args, "url") else str(exc)
         console.say(f"kernelhub: {message}", err=True)
         return 2 if isinstance(exc, UsageError) else 1
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in SERVER_MODULES:
+            raise
+        console.say(
+            f"kernelhub: `kernelhub {args.command}` needs the server extra ({exc.name} is "
+            "missing); install it with `pip install 'kernelhub[server]'`",
+            err=True,
+        )
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -170,22 +170,16 @@ def serve(settings: Settings, *, build: bool = True) -> int:
 
 def ensure_image(settings: Settings, *, build: bool) -> None:
     """The kernel image exists and speaks our protocol; a missing one is built (first use)."""
-    import docker
-
-    from kernelhub.image.build import check_image, docker_client
+    from kernelhub.image.build import check_image, docker_client, image_exists
 
     client = docker_client(settings)
     try:
         try:
             info = check_image(client, settings.docker.image)
         except ImageError:
-            try:
-                client.images.get(settings.docker.image)
-            except docker.errors.ImageNotFound:
-                if not build:
-                    raise
-            else:
-                raise  # there, but not ours or for another protocol: the message says what to do
+            # Present but not ours, or for another protocol: the message says what to do.
+            if not build or image_exists(client, settings.docker.image):
+                raise
             print(f"kernel image {settings.docker.image} not found; building it (first use)")
             from kernelhub.cli.host import build_kernel_image
 

@@ -232,6 +232,11 @@ def _current_id(client: docker.DockerClient, tag: str) -> str | None:
             return None
 
 
+def image_exists(client: docker.DockerClient, name: str) -> bool:
+    """Is there a local image by this name (whatever it is)?"""
+    return _current_id(client, name) is not None
+
+
 class _Built(Protocol):
     @property
     def id(self) -> str: ...
@@ -458,6 +463,7 @@ __all__ = [
     "build_image",
     "check_image",
     "docker_client",
+    "image_exists",
     "image_info",
     "kernel_image_dir",
     "resolve_base",

@@ -4,6 +4,7 @@ terminal, and serve's first start (token only once it serves, one-line failures)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -173,8 +174,8 @@ def test_serve_with_docker_asked_for_and_down_is_one_line_and_no_token(tmp_path:
     assert ok(env, "token", "list").strip() == "no tokens"
 
 
-def _wait_for_line(log: Path, needle: str) -> list[str]:
-    deadline = time.monotonic() + 30 * UNIT
+def _wait_for_line(log: Path, needle: str, timeout: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout * UNIT
     while needle not in (text := log.read_text()):
         assert time.monotonic() < deadline, text[-2000:]
         time.sleep(0.05)
@@ -205,3 +206,48 @@ def test_first_start_token_comes_after_the_gateway_serves_and_later_starts_say_h
     lines = _wait_for_line(gateway.log, "tokens exist already")
     assert sum("created admin token" in line for line in lines) == 1
     assert any("kernelhub token create --admin --name NAME" in line for line in lines)
+
+
+def test_serve_no_build_with_the_image_missing_says_how_to_build_it(tmp_path: Path) -> None:
+    image = f"kernelhub/kernel:missing-{os.getpid()}"
+    env = _serve_env(tmp_path, free_port(), KERNELHUB_DOCKER__IMAGE=image)
+    out = kh(env, "serve", "--no-build")
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "kh_" not in out.stdout
+    assert out.stderr.count("\n") == 1 and image in out.stderr
+    assert "kernelhub image build" in out.stderr
+
+
+@pytest.mark.timeout(900)
+def test_serve_builds_a_missing_kernel_image_on_first_use_quietly(tmp_path: Path) -> None:
+    import docker
+
+    image = f"kernelhub/kernel:first-use-{os.getpid()}"
+    env = _serve_env(tmp_path, free_port(), KERNELHUB_DOCKER__IMAGE=image)
+    log = tmp_path / "serve.log"
+    try:
+        with log.open("wb") as out:
+            serve = subprocess.Popen(
+                [sys.executable, "-m", "kernelhub.cli", "serve"], env=env, stdout=out, stderr=subprocess.STDOUT
+            )  # fmt: skip
+        try:
+            lines = _wait_for_line(log, "created admin token", timeout=600)
+        finally:
+            serve.terminate()
+            serve.wait(60)
+        assert f"kernel image {image} not found; building it (first use)" in lines
+        stages = [line for line in lines if line.startswith("✓ [")]
+        assert [s.split("]")[0] for s in stages] == ["✓ [1/4", "✓ [2/4", "✓ [3/4", "✓ [4/4"]
+        built = next(line for line in lines if line.startswith(f"built {image} "))
+        build_log = Path(built.rsplit("build log: ", 1)[1])
+        tool_lines = build_log.read_text().splitlines()
+        # The tools' output is in the log, not on the screen.
+        assert len(tool_lines) > 2 * len(lines) and not any(t.startswith("Step ") for t in lines)
+        assert any(t.startswith("Step ") for t in tool_lines)
+        assert lines.index(built) < next(
+            i for i, line in enumerate(lines) if line.startswith("kernelhub gateway on")
+        )
+    finally:
+        client = docker.from_env()
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            client.images.remove(image)
+        client.close()

@@ -132,3 +132,20 @@ def test_an_unreachable_gateway_is_one_line_in_cli_words(
 def test_bad_limit_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sessions", "new", "--token", "t", "--limit", "nonsense"]) == 2
     assert "--limit 'nonsense': expected NAME=VALUE" in capsys.readouterr().err
+
+
+def test_server_commands_without_the_server_extra_say_what_to_install() -> None:
+    # The SDK-only install: the server's modules cannot be imported.
+    blocker = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'pydantic_settings', 'docker', 'uvicorn'}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from kernelhub.cli import main\n"
+        "raise SystemExit(main(['token', 'list']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "pip install 'kernelhub[server]'" in out.stderr and out.stderr.count("\n") == 1
