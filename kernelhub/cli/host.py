@@ -55,12 +55,16 @@ def build_kernel_image(
             progress=show,
             client=client,
         )
+    _say_built(info, show)
+    return info
+
+
+def _say_built(info: Any, display: BuildDisplay) -> None:
     print(
         f"built {info.name} ({info.size_bytes / 2**20:.0f} MiB, python {info.python_version}) "
-        f"in {show.elapsed:.0f} s; build log: {show.log_path}",
+        f"in {display.elapsed:.0f} s; build log: {display.log_path}",
         flush=True,
     )
-    return info
 
 
 def image_build(settings: Settings, args: argparse.Namespace) -> int:
@@ -84,10 +88,7 @@ def image_build_gateway(settings: Settings, args: argparse.Namespace) -> int:
             source=args.source,
             progress=show,
         )
-    print(
-        f"built {info.name} ({info.size_bytes / 2**20:.0f} MiB, python {info.python_version}) "
-        f"in {display.elapsed:.0f} s; build log: {display.log_path}"
-    )
+    _say_built(info, display)
     return 0
 
 
