@@ -135,6 +135,7 @@ class BuildDisplay:
 
 def _columns(out: TextIO) -> int:
     try:
-        return os.get_terminal_size(out.fileno()).columns
+        columns = os.get_terminal_size(out.fileno()).columns
     except (OSError, ValueError, AttributeError):
-        return 80
+        columns = 0
+    return columns or 80  # a pty whose size nobody set says 0
