@@ -45,6 +45,22 @@ from kernelhub.wire import SessionInfo
 #: The width of the reason column in ``sessions ls``; ``sessions show`` has all of it.
 REASON_WIDTH = 60
 TOKEN_HINT = "make one with `kernelhub token create --name NAME` on the gateway's machine"
+#: The gateway and the engine speak to SDK users; on the command line the same advice is a
+#: flag. Each pair: the SDK's phrase, the CLI's.
+CLI_WORDS = (
+    ("pass timeout=", "pass --timeout"),
+    ("Hub(token=...)", "--token / KERNELHUB_TOKEN"),
+    ("base_url=", "--url / KERNELHUB_URL"),
+    ("hub.list_sessions()", "`kernelhub sessions ls`"),
+    ("hub.create_session()", "`kernelhub sessions new`"),
+)
+
+
+def in_cli_words(text: str) -> str:
+    """A gateway message with its SDK advice turned into flags and commands."""
+    for sdk, cli in CLI_WORDS:
+        text = text.replace(sdk, cli)
+    return text
 
 
 class Console:
@@ -105,7 +121,7 @@ class Console:
             self.say(f"[kernelhub: {self.clean(event.message)}]")
         elif isinstance(event, FinalEvent):
             r = event.record
-            extra = f" — {self.clean(r.reason)}" if r.reason else ""
+            extra = f" — {in_cli_words(self.clean(r.reason))}" if r.reason else ""
             cpu = f", cpu {r.cpu_seconds:.2f} s" if r.cpu_seconds is not None else ""
             self.say(f"[{r.status.value} in {r.duration:.3f} s{cpu}{extra}]")
 
@@ -227,7 +243,8 @@ def describe_error(exc: KernelhubError, url: str) -> str:
         if isinstance(exc, ProtocolError):
             return f"{exc}; is the gateway the same kernelhub version (`kernelhub --version`)?"
         return str(exc)
-    said = f"{exc.message} (HTTP {exc.status} {exc.error})" if exc.status else exc.message
+    message = in_cli_words(exc.message)
+    said = f"{message} (HTTP {exc.status} {exc.error})" if exc.status else message
     if isinstance(exc, AuthError):
         if exc.admin_required:
             return f"{said}; this needs an admin token: pass --token or set KERNELHUB_TOKEN"

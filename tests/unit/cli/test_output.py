@@ -168,3 +168,26 @@ def test_raw_and_pipes_get_the_bytes_as_produced() -> None:
     Console(raw, raw, raw=True).sandbox(EVIL)
     Console(pipe, pipe).sandbox(EVIL)
     assert raw.getvalue() == pipe.getvalue() == EVIL
+
+
+def test_the_gateways_sdk_advice_becomes_flags() -> None:
+    from kernelhub.cli.output import in_cli_words
+    from kernelhub.models import EndedBy, ExecutionRecord, ExecutionStatus, FinalEvent
+
+    reason = "execution timed out after 2 s; pass timeout= or set KERNELHUB_LIMITS__CELL_TIMEOUT"
+    assert in_cli_words(reason).endswith("pass --timeout or set KERNELHUB_LIMITS__CELL_TIMEOUT")
+    out = io.StringIO()
+    now = datetime.now(UTC)
+    record = ExecutionRecord(
+        execution_id="e",
+        status=ExecutionStatus.TIMED_OUT,
+        ended_by=EndedBy.INTERRUPT,
+        reason=reason,
+        queued_at=now,
+        finished_at=now,
+        duration=2.0,
+    )
+    Console(out, out).event(FinalEvent(seq=3, execution_id="e", record=record))
+    assert "pass --timeout" in out.getvalue() and "timeout=" not in out.getvalue()
+    said = describe_error(err(409, "conflict", "use hub.create_session()"), URL)
+    assert "`kernelhub sessions new`" in said and "hub." not in said
