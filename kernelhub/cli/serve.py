@@ -13,12 +13,13 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from kernelhub.config import Settings
-from kernelhub.errors import BackendUnavailableError, ImageError, KernelhubError
+from kernelhub.errors import BackendUnavailableError, ConfigError, ImageError, KernelhubError
 
 DOCKER_ISOLATION = (
     "one locked-down container per session: no network, read-only root, no capabilities, "
@@ -150,22 +151,23 @@ def _short(exc: BaseException) -> str:
 
 def serve(settings: Settings, *, build: bool = True) -> int:
     """Run the gateway in the foreground until interrupted; the exit status."""
-    probe = probe_docker(settings.docker.base_url)
     from kernelhub.sandbox.local import bwrap_path
 
-    choice = choose_backend(
-        settings.backend,
-        probe,
-        bwrap=bwrap_path(),
-        unisolated=settings.local.unisolated,
-        root=os.geteuid() == 0,
-    )
-    for line in choice.lines():
-        print(line, flush=True)
-    settings = settings.model_copy(update={"backend": choice.backend})
-    if choice.backend == "docker":
-        ensure_image(settings, build=build)
-    return asyncio.run(_serve(settings))
+    # Bound first, listening only once the gateway is up: a port in use fails at once.
+    with listen_socket(settings.gateway.host, settings.gateway.port) as sock:
+        choice = choose_backend(
+            settings.backend,
+            probe_docker(settings.docker.base_url),
+            bwrap=bwrap_path(),
+            unisolated=settings.local.unisolated,
+            root=os.geteuid() == 0,
+        )
+        for line in choice.lines():
+            print(line, flush=True)
+        settings = settings.model_copy(update={"backend": choice.backend})
+        if choice.backend == "docker":
+            ensure_image(settings, build=build)
+        return asyncio.run(_serve(settings, sock))
 
 
 def ensure_image(settings: Settings, *, build: bool) -> None:
@@ -236,7 +238,23 @@ def uvicorn_config(settings: Settings, app: Any) -> Any:
     )
 
 
-async def _serve(settings: Settings) -> int:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The gateway's socket, bound before anything starts: a port in use is one line
+    before any sandbox or token exists, not a log line after the lifespan ran."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another port with "
+            "--port or KERNELHUB_GATEWAY__PORT (or --host / KERNELHUB_GATEWAY__HOST)"
+        ) from exc
+    return sock
+
+
+async def _serve(settings: Settings, sock: socket.socket) -> int:
     import uvicorn
 
     from kernelhub.gateway.app import create_app
@@ -245,7 +263,7 @@ async def _serve(settings: Settings) -> int:
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             # ``started``: the lifespan (backend, store, manager) is up and the socket is
-            # bound. Only then does the gateway really serve, and a token is worth making.
+            # listening. Only then does the gateway really serve, and a token is worth making.
             if self.started:
                 await _announce(settings)
 
@@ -253,15 +271,11 @@ async def _serve(settings: Settings) -> int:
     server = Server(uvicorn_config(settings, watch))
     logging.getLogger("uvicorn.error").addFilter(watch.filter)
     with contextlib.suppress(SystemExit):  # uvicorn's way out of a failed startup
-        await server.serve()
+        await server.serve(sockets=[sock])
     if watch.error is not None:
         raise watch.error
     if not server.started:
-        gw = settings.gateway
-        raise BackendUnavailableError(
-            f"the gateway did not start on {gw.host}:{gw.port} (the line above says why); "
-            "for a port in use choose another with --port or KERNELHUB_GATEWAY__PORT"
-        )
+        raise BackendUnavailableError("the gateway did not start; the lines above say why")
     return 0
 
 
