@@ -54,7 +54,7 @@ def run_exec(args: argparse.Namespace, console: Console) -> int:
                 on_event=(lambda e: None if _streamed(e) else console.event(e)) if stream else None,
                 on_stdout=(lambda text: console.sandbox(text)) if stream else None,
                 on_stderr=(lambda text: console.sandbox(text, err=True)) if stream else None,
-                on_input=lambda prompt: input(prompt),
+                on_input=lambda prompt: input(console.clean(prompt)),
             )
         finally:
             if not args.session and not args.keep:
