@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +168,7 @@ def serve(settings: Settings, *, build: bool = True) -> int:
         settings = settings.model_copy(update={"backend": choice.backend})
         if choice.backend == "docker":
             ensure_image(settings, build=build)
-        return asyncio.run(_serve(settings, sock))
+        return asyncio.run(run_gateway(settings, sock))
 
 
 def ensure_image(settings: Settings, *, build: bool) -> None:
@@ -254,10 +255,18 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(settings: Settings, sock: socket.socket) -> int:
+async def run_gateway(
+    settings: Settings, sock: socket.socket, app_factory: Callable[[Settings], Any] | None = None
+) -> int:
+    """Serve ``app_factory(settings)`` (the gateway app by default) on ``sock`` until
+    stopped. A kernelhub error in the app's startup is raised as itself, not logged with
+    its traceback."""
     import uvicorn
 
-    from kernelhub.gateway.app import create_app
+    if app_factory is None:
+        from kernelhub.gateway.app import create_app
+
+        app_factory = create_app
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
@@ -267,7 +276,7 @@ async def _serve(settings: Settings, sock: socket.socket) -> int:
             if self.started:
                 await _announce(settings)
 
-    watch = _StartupWatch(create_app(settings))
+    watch = _StartupWatch(app_factory(settings))
     server = Server(uvicorn_config(settings, watch))
     logging.getLogger("uvicorn.error").addFilter(watch.filter)
     with contextlib.suppress(SystemExit):  # uvicorn's way out of a failed startup

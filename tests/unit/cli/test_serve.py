@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
 
 from kernelhub.cli.serve import (
@@ -11,6 +13,7 @@ from kernelhub.cli.serve import (
     DockerProbe,
     choose_backend,
 )
+from kernelhub.config import Settings
 from kernelhub.errors import BackendUnavailableError
 
 SOCK = "unix:///var/run/docker.sock"
@@ -75,3 +78,39 @@ def test_never_a_silent_fall_back_to_no_isolation() -> None:
         choose_backend("auto", DOWN, bwrap=None, unisolated=False, root=False)
     chosen = choose_backend("auto", DOWN, bwrap=None, unisolated=True, root=False)
     assert chosen.isolation == NO_ISOLATION and "NONE" in chosen.lines()[1]
+
+
+async def test_a_kernelhub_error_in_the_gateways_startup_is_raised_not_logged(
+    settings: Settings, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+
+    from kernelhub.cli.serve import listen_socket, run_gateway
+    from kernelhub.errors import ConfigError
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        raise ConfigError("KERNELHUB_X is wrong; set KERNELHUB_X=1")
+        yield
+
+    with listen_socket("127.0.0.1", 0) as sock, pytest.raises(ConfigError, match="KERNELHUB_X"):
+        await run_gateway(settings, sock, lambda s: Starlette(lifespan=lifespan))
+    said = capfd.readouterr()
+    assert "Traceback" not in said.err + said.out and "KERNELHUB_X" not in said.err + said.out
+
+
+def test_a_port_in_use_is_one_line_naming_the_flag() -> None:
+    import socket
+
+    from kernelhub.cli.serve import listen_socket
+    from kernelhub.errors import ConfigError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as caught:
+            listen_socket("127.0.0.1", port)
+    assert f"127.0.0.1:{port}" in str(caught.value) and "--port" in str(caught.value)
