@@ -101,10 +101,17 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
     gw.stop()
     # A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
     # test removes them (by label, as any cleanup must).
+    remove_sandboxes(f"{RUN_INSTANCE}-g")
+
+
+def remove_sandboxes(instance: str) -> None:
+    """Remove every container labelled with this gateway instance."""
     import docker
 
     client = docker.from_env()
-    label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
-    for container in client.containers.list(all=True, filters={"label": label}):
-        container.remove(force=True)
-    client.close()
+    try:
+        label = f"org.kernelhub.instance={instance}"
+        for container in client.containers.list(all=True, filters={"label": label}):
+            container.remove(force=True)
+    finally:
+        client.close()

@@ -13,12 +13,14 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import UNIT
-from tests.gateway.conftest import Gateway, free_port
+from tests.conftest import RUN_INSTANCE, UNIT
+from tests.gateway.conftest import Gateway, free_port, remove_sandboxes
 
 pytestmark = pytest.mark.docker
 
@@ -38,12 +40,31 @@ def ok(env: dict[str, str], *args: str) -> str:
     return out.stdout
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """One gateway for the client tests; each has a token of its own, so sees only its
+    own sessions."""
+    instance = f"{RUN_INSTANCE}-cli"  # not the function fixture's: neither adopts the other's
+    gw = Gateway(
+        tmp_path_factory.mktemp("cli") / "data", _run_dir(), KERNELHUB_GATEWAY__INSTANCE=instance
+    )
+    gw.start()
+    yield gw
+    gw.stop()
+    remove_sandboxes(instance)
+
+
+def _run_dir() -> Path:
+    return Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
+
+
 def client_env(gateway: Gateway) -> dict[str, str]:
-    return {**gateway.env, "KERNELHUB_URL": gateway.url, "KERNELHUB_TOKEN": gateway.token("alice")}
+    token = gateway.token(f"u{uuid.uuid4().hex[:8]}")
+    return {**gateway.env, "KERNELHUB_URL": gateway.url, "KERNELHUB_TOKEN": token}
 
 
-def test_a_session_that_stays_new_exec_show_export_rm(gateway: Gateway, tmp_path: Path) -> None:
-    env = client_env(gateway)
+def test_a_session_that_stays_new_exec_show_export_rm(shared: Gateway, tmp_path: Path) -> None:
+    env = client_env(shared)
     sid = ok(env, "sessions", "new", "--meta", "job=cli").strip()
     assert sid and "\n" not in sid
     assert ok(env, "exec", "--session", sid, "x = 6 * 7").startswith("[completed")
@@ -81,8 +102,8 @@ def test_a_session_that_stays_new_exec_show_export_rm(gateway: Gateway, tmp_path
     assert "Traceback" not in gone.stderr and "hub." not in gone.stderr
 
 
-def test_exec_keep_prints_the_id_and_the_session_stays(gateway: Gateway) -> None:
-    env = client_env(gateway)
+def test_exec_keep_prints_the_id_and_the_session_stays(shared: Gateway) -> None:
+    env = client_env(shared)
     out = ok(env, "exec", "--keep", "y = 'kept'")
     first = out.splitlines()[0]
     assert first.startswith("session ")
@@ -128,8 +149,8 @@ EVIL = (
 )
 
 
-def test_sandbox_output_cannot_command_the_readers_terminal(gateway: Gateway) -> None:
-    env = client_env(gateway)
+def test_sandbox_output_cannot_command_the_readers_terminal(shared: Gateway) -> None:
+    env = client_env(shared)
     sid = ok(env, "sessions", "new").strip()
     seen = _on_a_terminal(env, "exec", "--session", sid, EVIL)
     assert b"ok\x1b[31mred\x1b[0m" in seen

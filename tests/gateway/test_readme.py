@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RUN_INSTANCE, UNIT
-from tests.gateway.conftest import free_port
+from tests.gateway.conftest import free_port, remove_sandboxes
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
 
@@ -48,6 +48,8 @@ def clean_env(tmp: Path, port: int) -> dict[str, str]:
         KERNELHUB_GATEWAY__PORT=str(port),
         KERNELHUB_GATEWAY__INSTANCE=f"{RUN_INSTANCE}-readme",
         KERNELHUB_POOL__SIZE="0",
+        # Only speed: pip skips byte-compiling the installed packages.
+        PIP_NO_COMPILE="1",
     )
     return env
 
@@ -108,7 +110,7 @@ def test_the_readme_commands_work_in_a_fresh_clone(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait(10)
-        _remove_sandboxes(f"{RUN_INSTANCE}-readme")
+        remove_sandboxes(f"{RUN_INSTANCE}-readme")
 
     # The test command, cheaply: its own environment, ruff, mypy, then pytest collecting only.
     tests = subprocess.run(
@@ -117,15 +119,3 @@ def test_the_readme_commands_work_in_a_fresh_clone(tmp_path: Path) -> None:
     )  # fmt: skip
     assert tests.returncode == 0, (tests.stdout + tests.stderr)[-3000:]
     assert re.search(r"\d+ tests collected", tests.stdout), tests.stdout[-2000:]
-
-
-def _remove_sandboxes(instance: str) -> None:
-    import docker
-
-    client = docker.from_env()
-    try:
-        label = f"org.kernelhub.instance={instance}"
-        for container in client.containers.list(all=True, filters={"label": label}):
-            container.remove(force=True)
-    finally:
-        client.close()
