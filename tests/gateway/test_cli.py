@@ -165,9 +165,7 @@ def test_sandbox_output_cannot_command_the_readers_terminal(shared: Gateway) -> 
 
 
 def _serve_env(tmp_path: Path, port: int, **extra: str) -> dict[str, str]:
-    gw = Gateway(
-        tmp_path / "data", Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
-    )
+    gw = Gateway(tmp_path / "data", _run_dir())
     return {**gw.env, "KERNELHUB_GATEWAY__PORT": str(port), **extra}
 
 
