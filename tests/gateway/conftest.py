@@ -92,26 +92,26 @@ class Gateway:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
 
+def gateway_run_dir() -> Path:
+    return Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
+
+
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Gateway]:
-    run_dir = Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
-    gw = Gateway(tmp_path / "data", run_dir)
+    gw = Gateway(tmp_path / "data", gateway_run_dir())
     gw.start()
     yield gw
     gw.stop()
-    # A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
-    # test removes them (by label, as any cleanup must).
-    remove_sandboxes(f"{RUN_INSTANCE}-g")
+    remove_sandboxes()
 
 
-def remove_sandboxes(instance: str) -> None:
-    """Remove every container labelled with this gateway instance."""
+def remove_sandboxes() -> None:
+    """A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
+    tests remove them (by label, as any cleanup must)."""
     import docker
 
     client = docker.from_env()
-    try:
-        label = f"org.kernelhub.instance={instance}"
-        for container in client.containers.list(all=True, filters={"label": label}):
-            container.remove(force=True)
-    finally:
-        client.close()
+    label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
+    for container in client.containers.list(all=True, filters={"label": label}):
+        container.remove(force=True)
+    client.close()

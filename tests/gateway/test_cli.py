@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RUN_INSTANCE, UNIT
-from tests.gateway.conftest import Gateway, free_port, remove_sandboxes
+from tests.gateway.conftest import Gateway, free_port, gateway_run_dir, remove_sandboxes
 
 pytestmark = pytest.mark.docker
 
@@ -44,18 +44,11 @@ def ok(env: dict[str, str], *args: str) -> str:
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """One gateway for the client tests; each has a token of its own, so sees only its
     own sessions."""
-    instance = f"{RUN_INSTANCE}-cli"  # not the function fixture's: neither adopts the other's
-    gw = Gateway(
-        tmp_path_factory.mktemp("cli") / "data", _run_dir(), KERNELHUB_GATEWAY__INSTANCE=instance
-    )
+    gw = Gateway(tmp_path_factory.mktemp("cli") / "data", gateway_run_dir())
     gw.start()
     yield gw
     gw.stop()
-    remove_sandboxes(instance)
-
-
-def _run_dir() -> Path:
-    return Path("/run/kernelhub-test") if os.geteuid() == 0 else Path("/tmp/khrun")
+    remove_sandboxes()
 
 
 def client_env(gateway: Gateway) -> dict[str, str]:
@@ -165,7 +158,7 @@ def test_sandbox_output_cannot_command_the_readers_terminal(shared: Gateway) -> 
 
 
 def _serve_env(tmp_path: Path, port: int, **extra: str) -> dict[str, str]:
-    gw = Gateway(tmp_path / "data", _run_dir())
+    gw = Gateway(tmp_path / "data", gateway_run_dir())
     return {**gw.env, "KERNELHUB_GATEWAY__PORT": str(port), **extra}
 
 
@@ -201,8 +194,20 @@ def _wait_for_line(log: Path, needle: str, timeout: float = 30) -> list[str]:
 
 
 def test_first_start_token_comes_after_the_gateway_serves_and_later_starts_say_how(
-    gateway: Gateway,
+    tmp_path: Path,
 ) -> None:
+    # Its own instance label: the shared gateway may still run; this one makes no sandboxes.
+    gateway = Gateway(
+        tmp_path / "data", gateway_run_dir(), KERNELHUB_GATEWAY__INSTANCE=f"{RUN_INSTANCE}-first"
+    )
+    gateway.start()
+    try:
+        _first_and_second_start(gateway)
+    finally:
+        gateway.stop()
+
+
+def _first_and_second_start(gateway: Gateway) -> None:
     lines = _wait_for_line(gateway.log, "created admin token")
     serving = next(
         i for i, line in enumerate(lines) if line.startswith("kernelhub gateway on http://")

@@ -46,7 +46,7 @@ def clean_env(tmp: Path, port: int) -> dict[str, str]:
         KERNELHUB_DATA_DIR=str(tmp / "data"),
         KERNELHUB_RUN_DIR="/run/kernelhub-test" if os.geteuid() == 0 else "/tmp/khrun",
         KERNELHUB_GATEWAY__PORT=str(port),
-        KERNELHUB_GATEWAY__INSTANCE=f"{RUN_INSTANCE}-readme",
+        KERNELHUB_GATEWAY__INSTANCE=f"{RUN_INSTANCE}-g",  # what remove_sandboxes() removes
         KERNELHUB_POOL__SIZE="0",
         # Only speed: pip skips byte-compiling the installed packages.
         PIP_NO_COMPILE="1",
@@ -110,7 +110,7 @@ def test_the_readme_commands_work_in_a_fresh_clone(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait(10)
-        remove_sandboxes(f"{RUN_INSTANCE}-readme")
+        remove_sandboxes()
 
     # The test command, cheaply: its own environment, ruff, mypy, then pytest collecting only.
     tests = subprocess.run(
