@@ -272,5 +272,5 @@ def test_serve_builds_a_missing_kernel_image_on_first_use_quietly(tmp_path: Path
     finally:
         client = docker.from_env()
         with contextlib.suppress(docker.errors.ImageNotFound):
-            client.images.remove(image)
+            client.images.remove(image, force=True)  # untag even if a container used it
         client.close()
