@@ -182,10 +182,15 @@ async def serve(
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m kernelhub.agents.mcp_server",
+        prog="kernelhub mcp",
         description="Serve kernelhub's tools (execute_python, files, interrupt, snapshot) over MCP.",
     )
-    parser.add_argument("--transport", choices=["stdio", "http"], default="stdio")
+    parser.add_argument(
+        "--transport",
+        choices=["stdio", "http"],
+        default="stdio",
+        help="stdio (default: the client starts this command) or streamable HTTP on --port",
+    )
     parser.add_argument("--port", type=int, default=8766, help="HTTP port on 127.0.0.1")
     parser.add_argument("--url", help=f"gateway URL (default: $KERNELHUB_URL or {DEFAULT_URL})")
     parser.add_argument(

@@ -172,7 +172,7 @@ def build_image(
     started = time.monotonic()
     own_client = client is None
     if client is None:
-        client = _make_client(settings)
+        client = docker_client(settings)
     try:
         sources = sources or kernel_image_dir()
 
@@ -232,6 +232,11 @@ def _current_id(client: docker.DockerClient, tag: str) -> str | None:
             return None
 
 
+def image_exists(client: docker.DockerClient, name: str) -> bool:
+    """Is there a local image by this name (whatever it is)?"""
+    return _current_id(client, name) is not None
+
+
 class _Built(Protocol):
     @property
     def id(self) -> str: ...
@@ -281,7 +286,8 @@ def _remove_replaced(
         progress(f"kept the replaced image {image_id[:19]}: {exc.explanation or exc}")
 
 
-def _make_client(settings: Settings) -> docker.DockerClient:
+def docker_client(settings: Settings) -> docker.DockerClient:
+    """A client for the daemon ``settings.docker`` names; no answer: BackendUnavailableError."""
     with docker_errors("connecting to the Docker daemon"):
         if settings.docker.base_url:
             return docker.DockerClient(base_url=settings.docker.base_url)
@@ -456,6 +462,8 @@ __all__ = [
     "ImageInfo",
     "build_image",
     "check_image",
+    "docker_client",
+    "image_exists",
     "image_info",
     "kernel_image_dir",
     "resolve_base",

@@ -44,8 +44,8 @@ from kernelhub.image.build import (
     BaseChoice,
     _current_id,
     _docker_build,
-    _make_client,
     _settle_build,
+    docker_client,
     resolve_base,
 )
 from kernelhub.image.docker_errors import docker_errors
@@ -252,7 +252,7 @@ def build_gateway_image(
     sources = source / GATEWAY_IMAGE_DIR
     own_client = client is None
     if client is None:
-        client = _make_client(settings)
+        client = docker_client(settings)
     try:
         progress(f"==> [1/5] base image ({base})")
         base_image = resolve_base(client, base, mirror=mirror, progress=progress)
