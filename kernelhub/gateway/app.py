@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from kernelhub import __version__
 from kernelhub.config import Settings
-from kernelhub.gateway import errors, openapi, routes, stream
+from kernelhub.gateway import e2b, errors, openapi, routes, stream
 from kernelhub.gateway.errors import error_response
 from kernelhub.gateway.metrics import Metrics
 from kernelhub.sandbox.backends import make_backend
@@ -96,4 +96,5 @@ def create_app(settings: Settings) -> FastAPI:
     openapi.install(app)
     app.include_router(routes.router)
     app.include_router(stream.router)
+    e2b.install(app)
     return app

@@ -1,0 +1,389 @@
+"""The E2B drop-in: the unmodified ``e2b-code-interpreter`` SDK runs against kernelhub.
+
+Point the SDK at one gateway URL for both planes (its own documented settings)::
+
+    E2B_API_URL=http://127.0.0.1:8000/e2b  E2B_SANDBOX_URL=http://127.0.0.1:8000/e2b
+    E2B_API_KEY=<a kernelhub token>        E2B_HTTP_VERSION=1.1  (uvicorn speaks HTTP/1.1)
+
+Both planes live under ``/e2b``; their paths do not collide. The control plane (``X-API-Key``)
+creates, connects, lists, kills and times out sandboxes; each sandbox is a kernelhub session
+of the key's principal, with the same hardening, limits, audit and record as any other.
+The sandbox plane names the sandbox in the ``E2b-Sandbox-Id`` header and authenticates with
+the access token the create answer gave (the caller's own token): ``/execute`` (NDJSON),
+``/contexts``, envd's ``/health`` and ``/files``, and envd's Connect-RPC
+``/filesystem.Filesystem/ListDir`` in its JSON form.
+
+Served subset, and where it differs from E2B: one kernel per sandbox (``/contexts`` answers
+the default context; other context ids are refused), Python only, files only in /workspace
+(``/home/user`` is its alias), no commands/PTY/watchers. A sandbox's timeout is enforced
+when the sandbox is next used or listed: past it, the session is deleted. Routes are kept
+out of the OpenAPI document (``include_in_schema=False``): the contract is E2B's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+
+from kernelhub.errors import (
+    AuthError,
+    InvalidRequestError,
+    KernelhubError,
+    NotFoundError,
+    SessionClosedError,
+)
+from kernelhub.gateway import e2b_wire as wire
+from kernelhub.gateway.auth import authenticate, bearer, client_address
+from kernelhub.gateway.errors import status_for
+from kernelhub.session.manager import SessionManager
+from kernelhub.store.sqlite import Principal
+from kernelhub.wire import ExecutionCreate, SessionCreate, SessionInfo, SessionState
+
+PREFIX = "/e2b"
+DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime
+MAX_TIMEOUT = 24 * 3600
+TEMPLATE_KEY = "e2b.template"
+END_KEY = "e2b.end_at"
+DEFAULT_CONTEXT = "default"
+LIST_TIMEOUT = 30.0
+
+
+class E2BRoute(APIRoute):
+    """Answers kernelhub errors in E2B's shape, ``{"code": status, "message"}``; the
+    status comes from the one table in gateway/errors.py."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def answer(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except KernelhubError as exc:
+                status, _ = status_for(exc)
+                return JSONResponse({"code": status, "message": str(exc)}, status_code=status)
+
+        return answer
+
+
+router = APIRouter(prefix=PREFIX, route_class=E2BRoute, include_in_schema=False)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class NewSandbox(_Body):
+    template_id: str = Field("code-interpreter-v1", alias="templateID")
+    timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=MAX_TIMEOUT)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
+
+
+class TimeoutBody(_Body):
+    timeout: int = Field(ge=0, le=MAX_TIMEOUT)
+
+
+class ConnectBody(_Body):
+    timeout: int | None = Field(None, ge=0, le=MAX_TIMEOUT)
+
+
+class ExecuteBody(_Body):
+    code: str
+    context_id: str | None = None
+    language: str | None = None
+    env_vars: dict[str, str] | None = None
+
+
+class ListDirBody(_Body):
+    path: str = ""
+    depth: int = Field(1, ge=0, le=64)
+
+
+def _manager(request: Request) -> SessionManager:
+    m: SessionManager = request.app.state.manager
+    return m
+
+
+def _deadlines(request: Request) -> dict[str, datetime]:
+    """set_timeout's deadlines, by session id (the create-time one is in the metadata)."""
+    d: dict[str, datetime] = request.app.state.e2b_deadlines
+    return d
+
+
+async def _principal(request: Request, *headers: str) -> tuple[Principal, str]:
+    """The caller of ``headers`` (the first present), and the token it sent."""
+    token = bearer(request.headers.get("authorization"))
+    for name in headers:
+        token = request.headers.get(name) or token
+    if token is None:
+        raise AuthError(
+            "missing API key; set E2B_API_KEY to a kernelhub token (`kernelhub token create --name NAME`)"
+        )
+    return await authenticate(request.app.state.store, token), token
+
+
+def _end_at(request: Request, info: SessionInfo) -> datetime:
+    known = _deadlines(request).get(info.id)
+    if known is not None:
+        return known
+    stored = info.metadata.get(END_KEY)
+    if isinstance(stored, str):
+        return datetime.fromisoformat(stored)
+    return info.created_at + timedelta(seconds=DEFAULT_TIMEOUT)
+
+
+def _alive(info: SessionInfo) -> bool:
+    return info.state not in (SessionState.DEAD, SessionState.DELETED)
+
+
+async def _expire(request: Request, principal: Principal, info: SessionInfo) -> bool:
+    """Delete the session if its E2B timeout has passed; True if it did."""
+    if datetime.now(UTC) < _end_at(request, info):
+        return False
+    with contextlib.suppress(NotFoundError):
+        await _manager(request).delete(principal, info.id, client_address(request))
+    _deadlines(request).pop(info.id, None)
+    return True
+
+
+async def _sandbox(request: Request, principal: Principal, sandbox_id: str) -> SessionInfo:
+    """The caller's live sandbox ``sandbox_id``; E2B knows no "ended": NotFoundError."""
+    gone = NotFoundError(f"sandbox {sandbox_id} not found (it ended or timed out)")
+    try:
+        info = await _manager(request).info(principal, sandbox_id)
+    except SessionClosedError as exc:
+        raise gone from exc
+    if not _alive(info) or await _expire(request, principal, info):
+        raise gone
+    return info
+
+
+def _record(request: Request, info: SessionInfo, token: str) -> dict[str, Any]:
+    template = info.metadata.get(TEMPLATE_KEY)
+    return wire.sandbox_record(
+        sandbox_id=info.id,
+        template=template if isinstance(template, str) else "kernelhub",
+        started_at=info.created_at,
+        end_at=_end_at(request, info),
+        limits=info.limits,
+        metadata={
+            k: str(v)
+            for k, v in info.metadata.items()
+            if not k.startswith("e2b.") and v is not None
+        },
+        token=token,
+        state="paused" if info.state == SessionState.PAUSED else "running",
+    )
+
+
+# -- control plane -----------------------------------------------------------------------
+
+
+@router.post("/v2/sandboxes", status_code=201)
+@router.post("/sandboxes", status_code=201)
+async def create(body: NewSandbox, request: Request) -> dict[str, Any]:
+    principal, token = await _principal(request, "x-api-key")
+    if body.env_vars:
+        raise InvalidRequestError(
+            "kernelhub sandboxes take no environment variables (envs=); set them in code"
+        )
+    end_at = datetime.now(UTC) + timedelta(seconds=body.timeout)
+    metadata: dict[str, str | int | float | bool | None] = {
+        **body.metadata,
+        TEMPLATE_KEY: body.template_id,
+        END_KEY: end_at.isoformat(),
+    }
+    info = await _manager(request).create(
+        principal, SessionCreate(metadata=metadata), client_address(request)
+    )
+    return _record(request, info, token)
+
+
+@router.get("/v2/sandboxes")
+@router.get("/sandboxes")
+async def list_sandboxes(request: Request, state: str | None = None) -> list[dict[str, Any]]:
+    principal, token = await _principal(request, "x-api-key")
+    wanted = set((state or "running,paused").split(","))
+    out = []
+    for info in await _manager(request).list_sessions(principal):
+        if not _alive(info) or await _expire(request, principal, info):
+            continue
+        record = _record(request, info, token)
+        if record["state"] in wanted:
+            out.append(record)
+    return out
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_sandbox(sandbox_id: str, request: Request) -> dict[str, Any]:
+    principal, token = await _principal(request, "x-api-key")
+    return _record(request, await _sandbox(request, principal, sandbox_id), token)
+
+
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+@router.post("/sandboxes/{sandbox_id}/connect")
+async def connect(sandbox_id: str, body: ConnectBody, request: Request) -> dict[str, Any]:
+    principal, token = await _principal(request, "x-api-key")
+    info = await _sandbox(request, principal, sandbox_id)
+    if body.timeout is not None:
+        # Connecting extends the lifetime, never shortens it (as E2B does).
+        end_at = datetime.now(UTC) + timedelta(seconds=body.timeout)
+        if end_at > _end_at(request, info):
+            _deadlines(request)[info.id] = end_at
+    return _record(request, info, token)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(sandbox_id: str, body: TimeoutBody, request: Request) -> Response:
+    principal, _ = await _principal(request, "x-api-key")
+    info = await _sandbox(request, principal, sandbox_id)
+    _deadlines(request)[info.id] = datetime.now(UTC) + timedelta(seconds=body.timeout)
+    return Response(status_code=204)
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill(sandbox_id: str, request: Request) -> Response:
+    principal, _ = await _principal(request, "x-api-key")
+    await _sandbox(request, principal, sandbox_id)
+    await _manager(request).delete(principal, sandbox_id, client_address(request))
+    _deadlines(request).pop(sandbox_id, None)
+    return Response(status_code=204)
+
+
+# -- sandbox plane -----------------------------------------------------------------------
+
+_SANDBOX_TOKENS = ("x-api-key", "e2b-traffic-access-token", "x-access-token")
+
+
+async def _target(request: Request) -> tuple[Principal, SessionInfo]:
+    principal, _ = await _principal(request, *_SANDBOX_TOKENS)
+    sandbox_id = request.headers.get("e2b-sandbox-id")
+    if not sandbox_id:
+        raise InvalidRequestError(
+            "sandbox requests name their sandbox in the E2b-Sandbox-Id header"
+        )
+    return principal, await _sandbox(request, principal, sandbox_id)
+
+
+@router.get("/health", status_code=204)
+async def health(request: Request) -> Response:
+    try:
+        await _target(request)
+    except NotFoundError:
+        # What E2B's proxy answers for a sandbox that is gone; the SDK's is_running()
+        # reads it as False.
+        return Response(status_code=502)
+    return Response(status_code=204)
+
+
+@router.post("/contexts")
+async def create_context(request: Request) -> dict[str, str]:
+    await _target(request)
+    body = json.loads(await request.body() or b"{}")
+    if body.get("language") not in (None, "python"):
+        raise InvalidRequestError(f"kernelhub runs Python only, not {body['language']!r}")
+    return {"id": DEFAULT_CONTEXT, "language": "python", "cwd": wire.WORKSPACE}
+
+
+@router.post("/execute")
+async def execute(body: ExecuteBody, request: Request) -> StreamingResponse:
+    principal, info = await _target(request)
+    if body.language not in (None, "python"):
+        raise InvalidRequestError(f"kernelhub runs Python only, not {body.language!r}")
+    if body.context_id not in (None, DEFAULT_CONTEXT):
+        raise NotFoundError(f"context {body.context_id!r} not found; kernelhub has one per sandbox")
+    if body.env_vars:
+        raise InvalidRequestError("kernelhub cells take no environment variables (envs=)")
+    m = _manager(request)
+    row, handle, _ = await m.submit(
+        principal, info.id, ExecutionCreate(code=body.code, wait=True), client_address(request)
+    )
+    assert handle is not None  # no idempotency key: always a new execution
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for event in handle:
+                for line in wire.execute_lines(event):
+                    yield json.dumps(line) + "\n"
+        finally:
+            if handle.record is None:
+                # The client went away (its own timeout, most often): stop the cell so the
+                # next run_code does not queue behind it.
+                with contextlib.suppress(KernelhubError):
+                    await asyncio.shield(m.interrupt(principal, row.id))
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.get("/files")
+async def read_file(request: Request, path: str) -> StreamingResponse:
+    principal, info = await _target(request)
+    chunks = await _manager(request).download(
+        principal, info.id, wire.workspace_path(path), client_address(request)
+    )
+    return StreamingResponse(chunks, media_type="application/octet-stream")
+
+
+@router.post("/files")
+async def write_files(request: Request, path: str | None = None) -> list[dict[str, Any]]:
+    principal, info = await _target(request)
+    m = _manager(request)
+    written = []
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        form = await request.form()
+        for _, upload in form.multi_items():
+            if isinstance(upload, str):
+                continue
+            target = wire.workspace_path(path or upload.filename or "")
+            data = await upload.read()
+
+            async def one(data: bytes = data) -> AsyncIterator[bytes]:
+                yield data
+
+            await m.upload(principal, info.id, target, one(), client_address(request))
+            written.append(wire.write_info(target))
+    else:
+        target = wire.workspace_path(path or "")
+        await m.upload(principal, info.id, target, request.stream(), client_address(request))
+        written.append(wire.write_info(target))
+    if not written:
+        raise InvalidRequestError("the upload carried no file")
+    return written
+
+
+@router.post("/filesystem.Filesystem/ListDir")
+async def list_dir(body: ListDirBody, request: Request) -> JSONResponse:
+    """Connect-RPC unary in its JSON form: the message in, the message out; errors as
+    ``{"code": <connect code>, "message"}`` with the matching HTTP status."""
+    try:
+        principal, info = await _target(request)
+        relpath = wire.workspace_path(body.path)
+        answers = await _manager(request).call_in_kernel(
+            principal,
+            info.id,
+            "",
+            {"ls": wire.list_expression(relpath, body.depth or 1)},
+            timeout=LIST_TIMEOUT,
+        )
+        entries = wire.listing(answers)
+        if entries is None:
+            raise NotFoundError(f"directory {body.path!r} not found")
+    except KernelhubError as exc:
+        status, _ = status_for(exc)
+        code = wire.CONNECT_CODES.get(status, "internal")
+        return JSONResponse({"code": code, "message": str(exc)}, status_code=status)
+    return JSONResponse({"entries": [wire.entry_info(e) for e in entries]})
+
+
+def install(app: FastAPI) -> None:
+    app.state.e2b_deadlines = {}
+    app.include_router(router)

@@ -1,0 +1,190 @@
+"""The unmodified e2b-code-interpreter SDK against a real kernelhub gateway with real Docker
+sandboxes, configured only through its own documented settings (E2B_API_URL,
+E2B_SANDBOX_URL, E2B_API_KEY, E2B_HTTP_VERSION): E2B's quick-start, callbacks, errors,
+files, timeouts, lifecycle, and that an E2B sandbox is a kernelhub session like any other."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import UNIT
+from tests.gateway.conftest import Gateway, gateway_run_dir, remove_sandboxes
+
+e2b = pytest.importorskip("e2b")
+e2b_ci = pytest.importorskip("e2b_code_interpreter")
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gateway = Gateway(tmp_path_factory.mktemp("e2b") / "data", gateway_run_dir())
+    gateway.start()
+    yield gateway
+    gateway.stop()
+    remove_sandboxes()
+
+
+@pytest.fixture(scope="module")
+def token(gw: Gateway) -> str:
+    return gw.token("e2b-user")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def e2b_env(gw: Gateway, token: str) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("E2B_API_URL", f"{gw.url}/e2b")
+        mp.setenv("E2B_SANDBOX_URL", f"{gw.url}/e2b")
+        mp.setenv("E2B_API_KEY", token)
+        mp.setenv("E2B_HTTP_VERSION", "1.1")  # uvicorn speaks HTTP/1.1
+        mp.delenv("E2B_DEBUG", raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def sbx() -> Iterator[e2b_ci.Sandbox]:
+    sandbox = e2b_ci.Sandbox.create()
+    yield sandbox
+    sandbox.kill()
+
+
+def test_quick_start_keeps_state(sbx: e2b_ci.Sandbox) -> None:
+    sbx.run_code("x = 1")
+    execution = sbx.run_code("x += 1; x")
+    assert execution.text == "2"
+    assert execution.results[0].is_main_result
+    assert execution.error is None
+
+
+def test_plot_png_and_rich_results(sbx: e2b_ci.Sandbox) -> None:
+    execution = sbx.run_code(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()"
+    )
+    assert execution.error is None, execution.error
+    png = base64.b64decode(execution.results[0].png)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    html = sbx.run_code("from IPython.display import HTML\nHTML('<b>bold</b>')")
+    assert html.results[0].html == "<b>bold</b>"
+    assert html.results[0].text is not None
+    frame = sbx.run_code("{'a': [1, 2]}")
+    assert frame.results[0].text == "{'a': [1, 2]}"
+
+
+def test_callbacks_logs_and_errors(sbx: e2b_ci.Sandbox) -> None:
+    seen: dict[str, list[object]] = {"stdout": [], "stderr": [], "result": [], "error": []}
+    execution = sbx.run_code(
+        "import sys\nprint('out')\nprint('err', file=sys.stderr)\n"
+        "from IPython.display import display\ndisplay(42)\n1 / 0",
+        on_stdout=lambda m: seen["stdout"].append(m.line),
+        on_stderr=lambda m: seen["stderr"].append(m.line),
+        on_result=lambda r: seen["result"].append(r.text),
+        on_error=lambda e: seen["error"].append(e.name),
+    )
+    assert seen == {"stdout": ["out\n"], "stderr": ["err\n"], "result": ["42"], "error": ["ZeroDivisionError"]}  # fmt: skip
+    assert execution.logs.stdout == ["out\n"] and execution.logs.stderr == ["err\n"]
+    assert execution.error is not None
+    assert execution.error.name == "ZeroDivisionError"
+    assert execution.error.value == "division by zero"
+    assert "ZeroDivisionError" in execution.error.traceback
+    assert execution.execution_count is not None
+
+
+def test_files_write_read_list(sbx: e2b_ci.Sandbox) -> None:
+    info = sbx.files.write("notes/hello.txt", "hi from e2b")
+    assert info.path == "/workspace/notes/hello.txt"
+    assert sbx.files.read("notes/hello.txt") == "hi from e2b"
+    assert sbx.files.read("/home/user/notes/hello.txt", format="bytes") == b"hi from e2b"
+    # The kernel sees the same file in /workspace.
+    assert sbx.run_code("open('/workspace/notes/hello.txt').read()").text == "'hi from e2b'"
+    sbx.run_code("open('/workspace/notes/big.bin', 'wb').write(b'x' * 1234)")
+    entries = {e.name: e for e in sbx.files.list("notes")}
+    assert set(entries) == {"hello.txt", "big.bin"}
+    assert entries["big.bin"].size == 1234
+    assert entries["big.bin"].type == e2b.FileType.FILE
+    top = {e.name: e for e in sbx.files.list("/workspace")}
+    assert top["notes"].type == e2b.FileType.DIR
+    with pytest.raises(e2b.NotFoundException):
+        sbx.files.read("missing.txt")
+    with pytest.raises(e2b.NotFoundException):
+        sbx.files.list("no-such-dir")
+    with pytest.raises(e2b.InvalidArgumentException):
+        sbx.files.read("/etc/passwd")
+    # The listing runs outside the session's history: the next cell's count is unchanged.
+    before = sbx.run_code("1").execution_count
+    sbx.files.list("notes")
+    assert sbx.run_code("1").execution_count == (before or 0) + 1
+
+
+def test_timeout_raises_the_sdks_exception_and_stops_the_cell(sbx: e2b_ci.Sandbox) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(e2b.TimeoutException):
+        sbx.run_code("import time\nwhile True: time.sleep(0.05)", timeout=2 * UNIT)
+    assert time.monotonic() - t0 < 10 * UNIT
+    # The gateway interrupted the abandoned cell: the next one does not wait behind it.
+    t1 = time.monotonic()
+    assert sbx.run_code("'after'", timeout=30 * UNIT).text == "'after'"
+    assert time.monotonic() - t1 < 10 * UNIT
+
+
+def test_lifecycle_list_connect_set_timeout_kill(gw: Gateway, token: str) -> None:
+    sandbox = e2b_ci.Sandbox.create(metadata={"purpose": "lifecycle"}, timeout=120)
+    sandbox.run_code("kept = 'yes'")
+    listed = {s.sandbox_id: s for s in e2b_ci.Sandbox.list().next_items()}
+    assert sandbox.sandbox_id in listed
+    assert listed[sandbox.sandbox_id].metadata == {"purpose": "lifecycle"}
+    again = e2b_ci.Sandbox.connect(sandbox.sandbox_id)
+    assert again.run_code("kept").text == "'yes'"
+    sandbox.set_timeout(60)
+    info = sandbox.get_info()
+    assert 0 < (info.end_at - info.started_at).total_seconds()
+    assert sandbox.is_running()
+
+    # The sandbox is a kernelhub session of the key's principal, with its record.
+    headers = {"Authorization": f"Bearer {token}"}
+    session = httpx.get(f"{gw.url}/v1/sessions/{sandbox.sandbox_id}", headers=headers).json()
+    assert session["owner"] == "e2b-user" and session["metadata"]["purpose"] == "lifecycle"
+    notebook = httpx.get(f"{gw.url}/v1/sessions/{sandbox.sandbox_id}/notebook", headers=headers)
+    assert "kept = 'yes'" in notebook.text
+
+    assert sandbox.kill() is True
+    assert not sandbox.is_running()
+    assert sandbox.sandbox_id not in {s.sandbox_id for s in e2b_ci.Sandbox.list().next_items()}
+    assert e2b_ci.Sandbox.kill(sandbox.sandbox_id) is False
+
+
+def test_expired_sandbox_is_gone(gw: Gateway) -> None:
+    sandbox = e2b_ci.Sandbox.create(timeout=1)
+    deadline = time.monotonic() + 10 * UNIT
+    while sandbox.is_running():
+        assert time.monotonic() < deadline, "the sandbox outlived its timeout"
+        time.sleep(0.2)
+    with pytest.raises(e2b.SandboxException):
+        sandbox.run_code("1")
+
+
+def test_another_principal_cannot_reach_the_sandbox(sbx: e2b_ci.Sandbox, gw: Gateway) -> None:
+    other = gw.token("e2b-other")
+    with pytest.raises(e2b.NotFoundException):
+        e2b_ci.Sandbox.connect(sbx.sandbox_id, api_key=other)
+    # Sandbox-plane requests need the token too: the header alone is not enough.
+    r = httpx.post(
+        f"{gw.url}/e2b/execute",
+        json={"code": "1"},
+        headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"},
+    )
+    assert r.status_code == 401
+    with pytest.raises(e2b.AuthenticationException):
+        e2b_ci.Sandbox.create(api_key="not-a-token")
+
+
+def test_unsupported_options_are_refused_clearly(sbx: e2b_ci.Sandbox, tmp_path: Path) -> None:
+    with pytest.raises(e2b.SandboxException, match="Python only"):
+        sbx.run_code("1", language="r")
+    with pytest.raises(e2b.SandboxException, match="environment variables"):
+        sbx.run_code("1", envs={"A": "1"})
