@@ -3,7 +3,7 @@
 Point the SDK at one gateway URL for both planes (its own documented settings)::
 
     E2B_API_URL=http://127.0.0.1:8000/e2b  E2B_SANDBOX_URL=http://127.0.0.1:8000/e2b
-    E2B_API_KEY=<a kernelhub token>        E2B_HTTP_VERSION=1.1  (uvicorn speaks HTTP/1.1)
+    E2B_API_KEY=<a kernelhub token>
 
 Both planes live under ``/e2b``; their paths do not collide. The control plane (``X-API-Key``)
 creates, connects, lists, kills and times out sandboxes; each sandbox is a kernelhub session
