@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import UNIT
-from tests.gateway.conftest import Gateway, gateway_run_dir, remove_sandboxes
+from tests.gateway.conftest import Gateway
 
 e2b = pytest.importorskip("e2b")
 e2b_ci = pytest.importorskip("e2b_code_interpreter")
@@ -24,12 +24,8 @@ pytestmark = pytest.mark.docker
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gateway = Gateway(tmp_path_factory.mktemp("e2b") / "data", gateway_run_dir())
-    gateway.start()
-    yield gateway
-    gateway.stop()
-    remove_sandboxes()
+def gw(shared_gateway: Gateway) -> Gateway:
+    return shared_gateway
 
 
 @pytest.fixture(scope="module")
