@@ -210,15 +210,18 @@ async def create(body: NewSandbox, request: Request) -> dict[str, Any]:
 
 @router.get("/v2/sandboxes")
 @router.get("/sandboxes")
-async def list_sandboxes(request: Request, state: str | None = None) -> list[dict[str, Any]]:
+async def list_sandboxes(
+    request: Request, state: str | None = None, metadata: str | None = None
+) -> list[dict[str, Any]]:
     principal, token = await _principal(request, "x-api-key")
     wanted = set((state or "running,paused").split(","))
+    match = wire.metadata_filter(metadata).items()
     out = []
     for info in await _manager(request).list_sessions(principal):
         if not _alive(info) or await _expire(request, principal, info):
             continue
         record = _record(request, info, token)
-        if record["state"] in wanted:
+        if record["state"] in wanted and match <= record["metadata"].items():
             out.append(record)
     return out
 
@@ -360,28 +363,49 @@ async def write_files(request: Request, path: str | None = None) -> list[dict[st
     return written
 
 
+async def _entries(
+    request: Request, path: str, expression: Callable[[str], str]
+) -> list[dict[str, Any]]:
+    """What ``expression`` (of the /workspace-relative path) finds, evaluated in the kernel
+    outside the session's history, as envd ``EntryInfo`` messages."""
+    principal, info = await _target(request)
+    answers = await _manager(request).call_in_kernel(
+        principal, info.id, "", {"ls": expression(wire.workspace_path(path))}, timeout=LIST_TIMEOUT
+    )
+    entries = wire.listing(answers)
+    if entries is None:
+        raise NotFoundError(f"{path!r} not found")
+    return [wire.entry_info(e) for e in entries]
+
+
+def _connect_error(exc: KernelhubError) -> JSONResponse:
+    """A Connect-RPC error: ``{"code": <connect code>, "message"}``, the HTTP status from
+    the one table."""
+    status, _ = status_for(exc)
+    code = wire.CONNECT_CODES.get(status, "internal")
+    return JSONResponse({"code": code, "message": str(exc)}, status_code=status)
+
+
+# Connect-RPC unary calls in their JSON form: the request message in, the answer out.
+
+
 @router.post("/filesystem.Filesystem/ListDir")
 async def list_dir(body: ListDirBody, request: Request) -> JSONResponse:
-    """Connect-RPC unary in its JSON form: the message in, the message out; errors as
-    ``{"code": <connect code>, "message"}`` with the matching HTTP status."""
+    depth = body.depth or 1
     try:
-        principal, info = await _target(request)
-        relpath = wire.workspace_path(body.path)
-        answers = await _manager(request).call_in_kernel(
-            principal,
-            info.id,
-            "",
-            {"ls": wire.list_expression(relpath, body.depth or 1)},
-            timeout=LIST_TIMEOUT,
-        )
-        entries = wire.listing(answers)
-        if entries is None:
-            raise NotFoundError(f"directory {body.path!r} not found")
+        entries = await _entries(request, body.path, lambda p: wire.list_expression(p, depth))
     except KernelhubError as exc:
-        status, _ = status_for(exc)
-        code = wire.CONNECT_CODES.get(status, "internal")
-        return JSONResponse({"code": code, "message": str(exc)}, status_code=status)
-    return JSONResponse({"entries": [wire.entry_info(e) for e in entries]})
+        return _connect_error(exc)
+    return JSONResponse({"entries": entries})
+
+
+@router.post("/filesystem.Filesystem/Stat")
+async def stat(body: ListDirBody, request: Request) -> JSONResponse:
+    try:
+        (entry,) = await _entries(request, body.path, wire.stat_expression)
+    except KernelhubError as exc:
+        return _connect_error(exc)
+    return JSONResponse({"entry": entry})
 
 
 def install(app: FastAPI) -> None:

@@ -23,6 +23,7 @@ import json
 import posixpath
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import parse_qsl, unquote
 
 from kernelhub.errors import InvalidRequestError, KernelError
 from kernelhub.models import (
@@ -144,19 +145,52 @@ def workspace_path(path: str) -> str:
     return "/".join(parts)
 
 
+# One entry, as the kernel reports it: ``p`` its path, ``s`` its lstat.
+_ENTRY = (
+    "dict(path=p, name=os.path.basename(p), dir=stat.S_ISDIR(s.st_mode), "
+    "link=stat.S_ISLNK(s.st_mode), size=s.st_size, mode=s.st_mode, mtime=s.st_mtime, "
+    "uid=s.st_uid, gid=s.st_gid)"
+)
+
+
+def _in_kernel(body: str, root: str, depth: int) -> str:
+    return (
+        f"(lambda os, json, stat, root, depth: json.dumps({body}))"
+        f"(__import__('os'), __import__('json'), __import__('stat'), {root!r}, {int(depth)})"
+    )
+
+
+def _root(relpath: str) -> str:
+    return posixpath.join(WORKSPACE, relpath) if relpath else WORKSPACE
+
+
 def list_expression(relpath: str, depth: int) -> str:
     """A Python expression that, evaluated in the kernel, lists ``/workspace/<relpath>`` to
     ``depth`` levels as JSON (None if it is not a directory). Symlinks are not followed."""
-    root = posixpath.join(WORKSPACE, relpath) if relpath else WORKSPACE
-    return (
-        "(lambda os, json, stat, root, depth: json.dumps(None if not os.path.isdir(root) "
-        "or os.path.islink(root) else [dict(path=p, name=os.path.basename(p), "
-        "dir=stat.S_ISDIR(s.st_mode), link=stat.S_ISLNK(s.st_mode), size=s.st_size, "
-        "mode=s.st_mode, mtime=s.st_mtime, uid=s.st_uid, gid=s.st_gid) "
-        "for d, dirs, files in os.walk(root) if d[len(root):].count('/') < depth "
-        "for p in sorted(os.path.join(d, n) for n in dirs + files) for s in [os.lstat(p)]]))"
-        f"(__import__('os'), __import__('json'), __import__('stat'), {root!r}, {int(depth)})"
+    return _in_kernel(
+        "None if not os.path.isdir(root) or os.path.islink(root) else "
+        f"[{_ENTRY} for d, dirs, files in os.walk(root) if d[len(root):].count('/') < depth "
+        "for p in sorted(os.path.join(d, n) for n in dirs + files) for s in [os.lstat(p)]]",
+        _root(relpath),
+        depth,
     )
+
+
+def stat_expression(relpath: str) -> str:
+    """Like :func:`list_expression`, for the one entry at ``/workspace/<relpath>`` (a list
+    of one, or None if nothing is there)."""
+    return _in_kernel(
+        f"None if not os.path.lexists(root) else [{_ENTRY} for p in [root] for s in [os.lstat(p)]]",
+        _root(relpath),
+        0,
+    )
+
+
+def metadata_filter(query: str | None) -> dict[str, str]:
+    """The SDK's ``metadata`` list filter (``k=v&k2=v2``, each part URL-quoted)."""
+    if not query:
+        return {}
+    return {unquote(k): unquote(v) for k, v in parse_qsl(query, keep_blank_values=True)}
 
 
 def listing(answers: dict[str, Any]) -> list[dict[str, Any]] | None:

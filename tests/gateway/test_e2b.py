@@ -105,6 +105,13 @@ def test_files_write_read_list(sbx: e2b_ci.Sandbox) -> None:
     assert entries["big.bin"].type == e2b.FileType.FILE
     top = {e.name: e for e in sbx.files.list("/workspace")}
     assert top["notes"].type == e2b.FileType.DIR
+    assert sbx.files.exists("notes/hello.txt") and not sbx.files.exists("notes/nope.txt")
+    assert sbx.files.get_info("/home/user/notes/big.bin").size == 1234
+    written = sbx.files.write_files(
+        [{"path": "multi/a.txt", "data": "A"}, {"path": "multi/b.bin", "data": b"\x00\x01"}]
+    )
+    assert [w.path for w in written] == ["/workspace/multi/a.txt", "/workspace/multi/b.bin"]
+    assert sbx.files.read("multi/b.bin", format="bytes") == b"\x00\x01"
     with pytest.raises(e2b.NotFoundException):
         sbx.files.read("missing.txt")
     with pytest.raises(e2b.NotFoundException):
@@ -134,6 +141,12 @@ def test_lifecycle_list_connect_set_timeout_kill(gw: Gateway, token: str) -> Non
     listed = {s.sandbox_id: s for s in e2b_ci.Sandbox.list().next_items()}
     assert sandbox.sandbox_id in listed
     assert listed[sandbox.sandbox_id].metadata == {"purpose": "lifecycle"}
+    query = e2b.SandboxQuery(metadata={"purpose": "lifecycle"})
+    assert [s.sandbox_id for s in e2b_ci.Sandbox.list(query=query).next_items()] == [
+        sandbox.sandbox_id
+    ]
+    other = e2b.SandboxQuery(metadata={"purpose": "else"})
+    assert e2b_ci.Sandbox.list(query=other).next_items() == []
     again = e2b_ci.Sandbox.connect(sandbox.sandbox_id)
     assert again.run_code("kept").text == "'yes'"
     sandbox.set_timeout(60)  # shorter than the 120 it was created with
@@ -184,3 +197,18 @@ def test_unsupported_options_are_refused_clearly(sbx: e2b_ci.Sandbox, tmp_path: 
         sbx.run_code("1", language="r")
     with pytest.raises(e2b.SandboxException, match="environment variables"):
         sbx.run_code("1", envs={"A": "1"})
+
+
+async def test_async_sandbox_quick_start() -> None:
+    sandbox = await e2b_ci.AsyncSandbox.create()
+    try:
+        await sandbox.run_code("y = 41")
+        seen: list[str] = []
+        execution = await sandbox.run_code(
+            "print('hi'); y + 1", on_stdout=lambda m: seen.append(m.line)
+        )
+        assert execution.text == "42" and seen == ["hi\n"]
+        await sandbox.files.write("async.txt", "ok")
+        assert await sandbox.files.read("async.txt") == "ok"
+    finally:
+        await sandbox.kill()

@@ -162,3 +162,24 @@ def test_sandbox_record_has_what_the_sdk_parses() -> None:
     assert detail.envd_access_token == "tok" and detail.end_at == NOW
     created = models.Sandbox.from_dict(record)
     assert created.envd_version == wire.ENVD_VERSION
+
+
+def test_stat_expression_finds_one_entry_or_none() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        with open(f"{root}/f", "w") as f:
+            f.write("abc")
+        found = eval(wire.stat_expression("f").replace("/workspace", root))
+        entries = wire.listing({"ls": {"status": "ok", "data": {"text/plain": repr(found)}}})
+        assert entries is not None and [wire.entry_info(e)["size"] for e in entries] == ["3"]
+        gone = eval(wire.stat_expression("g").replace("/workspace", root))
+        assert gone == "null"
+
+
+def test_metadata_filter_reads_the_sdks_query() -> None:
+    from urllib.parse import quote, urlencode
+
+    sent = urlencode({quote("team name"): quote("a&b=c"), "k": "v"})  # as the SDK builds it
+    assert wire.metadata_filter(sent) == {"team name": "a&b=c", "k": "v"}
+    assert wire.metadata_filter(None) == {}
