@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -73,14 +75,20 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.batches = batches
         app.state.metrics = metrics
         app.state.ready = False
+        reaper: asyncio.Task[None] | None = None
         try:
             await manager.start()
             await batches.start()  # after the manager: it deletes leftover batch sessions
+            reaper = asyncio.create_task(e2b.reap(app))  # sandboxes past their E2B timeout
             app.state.ready = True
             log.info("kernelhub gateway ready on the %s backend", backend.name)
             yield
         finally:
             app.state.ready = False
+            if reaper is not None:
+                reaper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reaper
             await batches.close()  # before the manager: it records and deletes running items
             await manager.close()
             await backend.close()

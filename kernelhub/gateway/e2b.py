@@ -15,8 +15,9 @@ the access token the create answer gave (the caller's own token): ``/execute`` (
 
 Served subset, and where it differs from E2B: one kernel per sandbox (``/contexts`` answers
 the default context; other context ids are refused), Python only, files only in /workspace
-(``/home/user`` is its alias), no commands/PTY/watchers. A sandbox's timeout is enforced
-when the sandbox is next used or listed: past it, the session is deleted. Routes are kept
+(``/home/user`` is its alias), no commands/PTY/watchers. Past its timeout a sandbox's
+session is deleted (by :func:`reap`, within a second; after a gateway restart, when it is
+next used or listed). Routes are kept
 out of the OpenAPI document (``include_in_schema=False``): the contract is E2B's.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -48,13 +50,18 @@ from kernelhub.session.manager import SessionManager
 from kernelhub.store.sqlite import Principal
 from kernelhub.wire import ExecutionCreate, SessionCreate, SessionInfo, SessionState
 
+log = logging.getLogger(__name__)
+
 PREFIX = "/e2b"
 DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime
 MAX_TIMEOUT = 24 * 3600
 TEMPLATE_KEY = "e2b.template"
-END_KEY = "e2b.end_at"
+TIMEOUT_KEY = "e2b.timeout"
 DEFAULT_CONTEXT = "default"
 LIST_TIMEOUT = 30.0
+# Seconds between the reaper's looks for sandboxes past their timeout: E2B kills a sandbox
+# at its deadline; a second late is within what its clients can observe.
+REAP_INTERVAL = 1.0
 
 
 class E2BRoute(APIRoute):
@@ -131,14 +138,22 @@ async def _principal(request: Request, *headers: str) -> tuple[Principal, str]:
     return await authenticate(request.app.state.store, token), token
 
 
-def _end_at(request: Request, info: SessionInfo) -> datetime:
+def _deadline(request: Request, info: SessionInfo) -> datetime | None:
+    """When the sandbox times out: the deadline this gateway set (at create, connect or
+    set_timeout), else, after a restart, its creation plus the timeout it asked for; None
+    for a session not made through the E2B API (it keeps kernelhub's own lifetime)."""
     known = _deadlines(request).get(info.id)
     if known is not None:
         return known
-    stored = info.metadata.get(END_KEY)
-    if isinstance(stored, str):
-        return datetime.fromisoformat(stored)
-    return info.created_at + timedelta(seconds=DEFAULT_TIMEOUT)
+    timeout = info.metadata.get(TIMEOUT_KEY)
+    if not isinstance(timeout, int):
+        return None
+    return info.created_at + timedelta(seconds=timeout)
+
+
+def _end_at(request: Request, info: SessionInfo) -> datetime:
+    end = _deadline(request, info)
+    return end if end is not None else info.created_at + timedelta(seconds=DEFAULT_TIMEOUT)
 
 
 def _alive(info: SessionInfo) -> bool:
@@ -146,8 +161,10 @@ def _alive(info: SessionInfo) -> bool:
 
 
 async def _expire(request: Request, principal: Principal, info: SessionInfo) -> bool:
-    """Delete the session if its E2B timeout has passed; True if it did."""
-    if datetime.now(UTC) < _end_at(request, info):
+    """Delete the session if its E2B timeout has passed (the reaper may not have looked
+    yet); True if it did."""
+    end = _deadline(request, info)
+    if end is None or datetime.now(UTC) < end:
         return False
     with contextlib.suppress(NotFoundError):
         await _manager(request).delete(principal, info.id, client_address(request))
@@ -196,15 +213,16 @@ async def create(body: NewSandbox, request: Request) -> dict[str, Any]:
         raise InvalidRequestError(
             "kernelhub sandboxes take no environment variables (envs=); set them in code"
         )
-    end_at = datetime.now(UTC) + timedelta(seconds=body.timeout)
     metadata: dict[str, str | int | float | bool | None] = {
         **body.metadata,
         TEMPLATE_KEY: body.template_id,
-        END_KEY: end_at.isoformat(),
+        TIMEOUT_KEY: body.timeout,
     }
     info = await _manager(request).create(
         principal, SessionCreate(metadata=metadata), client_address(request)
     )
+    # The lifetime counts from when the sandbox is ready, not from the request.
+    _deadlines(request)[info.id] = datetime.now(UTC) + timedelta(seconds=body.timeout)
     return _record(request, info, token)
 
 
@@ -406,6 +424,32 @@ async def stat(body: ListDirBody, request: Request) -> JSONResponse:
     except KernelhubError as exc:
         return _connect_error(exc)
     return JSONResponse({"entry": entry})
+
+
+async def reap(app: FastAPI) -> None:
+    """Delete the sandboxes past their timeout, as E2B does. Runs for the app's lifetime:
+    the lifespan starts it and cancels it. Looks only at the deadlines in memory."""
+    manager: SessionManager = app.state.manager
+    deadlines: dict[str, datetime] = app.state.e2b_deadlines
+    while True:
+        await asyncio.sleep(REAP_INTERVAL)
+        now = datetime.now(UTC)
+        for session_id, end in list(deadlines.items()):
+            live = manager.sessions.get(session_id)
+            if live is None or live.state in (SessionState.DEAD, SessionState.DELETED):
+                deadlines.pop(session_id, None)
+                continue
+            if now < end:
+                continue
+            try:
+                await manager.delete(Principal(name=live.stored.owner), session_id)
+            except KernelhubError:
+                pass  # it ended meanwhile
+            except Exception:
+                # Keep reaping the others; this one is tried again next round.
+                log.exception("deleting sandbox %s past its E2B timeout failed", session_id)
+                continue
+            deadlines.pop(session_id, None)
 
 
 def install(app: FastAPI) -> None:

@@ -167,12 +167,16 @@ def test_lifecycle_list_connect_set_timeout_kill(gw: Gateway, token: str) -> Non
     assert e2b_ci.Sandbox.kill(sandbox.sandbox_id) is False
 
 
-def test_expired_sandbox_is_gone(gw: Gateway) -> None:
+def test_expired_sandbox_is_gone(gw: Gateway, token: str) -> None:
     sandbox = e2b_ci.Sandbox.create(timeout=1)
+    url = f"{gw.url}/v1/sessions/{sandbox.sandbox_id}"
+    headers = {"Authorization": f"Bearer {token}"}
     deadline = time.monotonic() + 10 * UNIT
-    while sandbox.is_running():
+    # Untouched through the E2B API, the session is still deleted at its deadline.
+    while httpx.get(url, headers=headers).json()["state"] != "deleted":
         assert time.monotonic() < deadline, "the sandbox outlived its timeout"
         time.sleep(0.2)
+    assert not sandbox.is_running()
     with pytest.raises(e2b.SandboxException):
         sandbox.run_code("1")
 
