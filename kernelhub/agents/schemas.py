@@ -27,6 +27,7 @@ from typing import Any
 __all__ = [
     "anthropic_tool",
     "anthropic_tool_result",
+    "field",
     "gemini_function_declaration",
     "gemini_function_response",
     "gemini_schema",
@@ -179,6 +180,14 @@ def gemini_function_declaration(
     if parameters is not None:
         declaration["parameters"] = parameters
     return declaration
+
+
+def field(obj: Any, name: str, *default: Any) -> Any:
+    """``obj[name]`` of a tool call given as a dict, ``obj.name`` of one given as an SDK
+    object (``ResponseFunctionToolCall``, ``ToolUseBlock``, ``FunctionCall``...)."""
+    if isinstance(obj, dict):
+        return obj.get(name, *default) if default else obj[name]
+    return getattr(obj, name, *default)
 
 
 # -- tool results --------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import mimetypes
 import re
@@ -180,39 +181,29 @@ TOOLS: dict[str, ToolSpec] = {
 }
 
 
+def _rendered(render: Callable[[str, str, dict[str, Any]], dict[str, Any]]) -> list[dict[str, Any]]:
+    return [render(s.name, s.description, s.args.model_json_schema()) for s in TOOLS.values()]
+
+
 def openai_tools() -> list[dict[str, Any]]:
     """The tools for OpenAI chat completions (``tools=``; nested ``function`` objects)."""
-    return [
-        schemas.openai_chat_tool(s.name, s.description, s.args.model_json_schema())
-        for s in TOOLS.values()
-    ]
+    return _rendered(schemas.openai_chat_tool)
 
 
 def openai_responses_tools(*, strict: bool = True) -> list[dict[str, Any]]:
     """The tools for the OpenAI Responses API (flat ``FunctionToolParam``), strict by default."""
-    return [
-        schemas.openai_responses_tool(
-            s.name, s.description, s.args.model_json_schema(), strict=strict
-        )
-        for s in TOOLS.values()
-    ]
+    return _rendered(functools.partial(schemas.openai_responses_tool, strict=strict))
 
 
 def anthropic_tools() -> list[dict[str, Any]]:
     """The tools for Anthropic tool use (``tools=`` of the Messages API)."""
-    return [
-        schemas.anthropic_tool(s.name, s.description, s.args.model_json_schema())
-        for s in TOOLS.values()
-    ]
+    return _rendered(schemas.anthropic_tool)
 
 
 def gemini_tools() -> list[dict[str, Any]]:
     """The tools as Gemini function declarations: pass
     ``[{"function_declarations": gemini_tools()}]`` as ``tools=`` of google-genai."""
-    return [
-        schemas.gemini_function_declaration(s.name, s.description, s.args.model_json_schema())
-        for s in TOOLS.values()
-    ]
+    return _rendered(schemas.gemini_function_declaration)
 
 
 # -- what a model gets back ----------------------------------------------------------------
@@ -446,13 +437,6 @@ def _invalid(name: str, exc: pydantic.ValidationError) -> str:
     )
 
 
-def _field(obj: Any, name: str, *default: Any) -> Any:
-    """``obj[name]`` for a dict, ``obj.name`` for an SDK object."""
-    if isinstance(obj, dict):
-        return obj.get(name, *default) if default else obj[name]
-    return getattr(obj, name, *default)
-
-
 class ToolRunner:
     """Runs the model's tool calls against one session.
 
@@ -510,25 +494,29 @@ class ToolRunner:
 
     async def run_openai_chat(self, tool_call: Any) -> list[dict[str, Any]]:
         """A chat completions ``tool_calls`` entry -> messages to append (tool, then images)."""
-        function = _field(tool_call, "function")
-        result = await self.run(_field(function, "name"), _field(function, "arguments"))
-        return result.to_openai_messages(_field(tool_call, "id"))
+        function = schemas.field(tool_call, "function")
+        result = await self.run(
+            schemas.field(function, "name"), schemas.field(function, "arguments")
+        )
+        return result.to_openai_messages(schemas.field(tool_call, "id"))
 
     async def run_responses(self, function_call: Any) -> dict[str, Any]:
         """A Responses ``function_call`` output item -> its ``function_call_output`` item."""
-        result = await self.run(_field(function_call, "name"), _field(function_call, "arguments"))
-        return result.to_responses_item(_field(function_call, "call_id"))
+        result = await self.run(
+            schemas.field(function_call, "name"), schemas.field(function_call, "arguments")
+        )
+        return result.to_responses_item(schemas.field(function_call, "call_id"))
 
     async def run_anthropic(self, tool_use: Any) -> dict[str, Any]:
         """An Anthropic ``tool_use`` block -> its ``tool_result`` block."""
-        result = await self.run(_field(tool_use, "name"), _field(tool_use, "input"))
-        return result.to_anthropic_block(_field(tool_use, "id"))
+        result = await self.run(schemas.field(tool_use, "name"), schemas.field(tool_use, "input"))
+        return result.to_anthropic_block(schemas.field(tool_use, "id"))
 
     async def run_gemini(self, function_call: Any) -> dict[str, Any]:
         """A Gemini ``FunctionCall`` -> a ``Part`` with its ``function_response``."""
-        name = _field(function_call, "name")
-        result = await self.run(name, _field(function_call, "args"))
-        return result.to_gemini_part(name, _field(function_call, "id", None))
+        name = schemas.field(function_call, "name")
+        result = await self.run(name, schemas.field(function_call, "args"))
+        return result.to_gemini_part(name, schemas.field(function_call, "id", None))
 
     async def _dispatch(self, args: _Args) -> ToolResult:
         match args:
