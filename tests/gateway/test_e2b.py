@@ -6,6 +6,10 @@ files, timeouts, lifecycle, and that an E2B sandbox is a kernelhub session like 
 from __future__ import annotations
 
 import base64
+import json
+import os
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -216,3 +220,40 @@ async def test_async_sandbox_quick_start() -> None:
         assert await sandbox.files.read("async.txt") == "ok"
     finally:
         await sandbox.kill()
+
+
+# -- the JS SDK (tests/gateway/e2b_js, `npm ci` there) ------------------------------------
+
+JS_DIR = Path(__file__).parent / "e2b_js"
+
+
+def test_js_sdk_quick_start(gw: Gateway, token: str) -> None:
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    if not (JS_DIR / "node_modules" / "@e2b" / "code-interpreter").is_dir():
+        pytest.fail(f"the E2B JS SDK is not installed: run `npm ci` in {JS_DIR}")
+    env = {
+        **os.environ,
+        "E2B_API_URL": f"{gw.url}/e2b",
+        "E2B_SANDBOX_URL": f"{gw.url}/e2b",
+        "E2B_API_KEY": token,
+    }
+    out = subprocess.run(
+        ["node", "quickstart.mjs"], cwd=JS_DIR, env=env, capture_output=True, text=True,
+        timeout=120 * UNIT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "two": "2",
+        "png": base64.b64encode(b"\x89PNG\r\n").decode()[:8],
+        "stdout": ["plotting\n"],
+        "error": ["ZeroDivisionError", "division by zero"],
+        "read": "from js",
+        "listed": seen["listed"],
+        "timeout": "TimeoutError",
+        "after": "'after'",
+        "running": True,
+        "alive": False,
+    }
+    assert "js.txt" in seen["listed"]
