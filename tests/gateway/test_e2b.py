@@ -177,9 +177,10 @@ def test_expired_sandbox_is_gone(gw: Gateway, token: str) -> None:
     headers = {"Authorization": f"Bearer {token}"}
     deadline = time.monotonic() + 10 * UNIT
     # Untouched through the E2B API, the session is still deleted at its deadline.
-    while httpx.get(url, headers=headers).json()["state"] != "deleted":
+    while (r := httpx.get(url, headers=headers)).status_code == 200 and r.json()["state"] != "deleted":  # fmt: skip
         assert time.monotonic() < deadline, "the sandbox outlived its timeout"
         time.sleep(0.2)
+    assert r.status_code == 410 or r.json()["state"] == "deleted", r.text
     assert not sandbox.is_running()
     with pytest.raises(e2b.SandboxException):
         sandbox.run_code("1")
