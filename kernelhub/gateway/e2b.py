@@ -110,6 +110,11 @@ class ExecuteBody(_Body):
     env_vars: dict[str, str] | None = None
 
 
+class ContextBody(_Body):
+    language: str | None = None
+    cwd: str | None = None
+
+
 class ListDirBody(_Body):
     path: str = ""
     depth: int = Field(1, ge=0, le=64)
@@ -307,11 +312,10 @@ async def health(request: Request) -> Response:
 
 
 @router.post("/contexts")
-async def create_context(request: Request) -> dict[str, str]:
+async def create_context(body: ContextBody, request: Request) -> dict[str, str]:
     await _target(request)
-    body = json.loads(await request.body() or b"{}")
-    if body.get("language") not in (None, "python"):
-        raise InvalidRequestError(f"kernelhub runs Python only, not {body['language']!r}")
+    if body.language not in (None, "python"):
+        raise InvalidRequestError(f"kernelhub runs Python only, not {body.language!r}")
     return {"id": DEFAULT_CONTEXT, "language": "python", "cwd": wire.WORKSPACE}
 
 

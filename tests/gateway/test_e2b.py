@@ -258,3 +258,12 @@ def test_js_sdk_quick_start(gw: Gateway, token: str) -> None:
         "alive": False,
     }
     assert "js.txt" in seen["listed"]
+
+
+def test_code_contexts(sbx: e2b_ci.Sandbox) -> None:
+    context = sbx.create_code_context()
+    assert context.language == "python" and context.cwd == "/workspace"
+    sbx.run_code("in_context = 3", context=context)
+    assert sbx.run_code("in_context").text == "3"  # one kernel per sandbox
+    with pytest.raises(e2b.SandboxException, match="Python only"):
+        sbx.create_code_context(language="r")
