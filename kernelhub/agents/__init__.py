@@ -1,7 +1,8 @@
 """Kernelhub as tools for LLM agents.
 
 :mod:`kernelhub.agents.tools` defines the tools once (a pydantic model each), renders them
-for OpenAI function calling and Anthropic tool use, and runs calls against a session with
+(through :mod:`kernelhub.agents.schemas`) for OpenAI chat completions, the OpenAI Responses
+API, Anthropic tool use and Gemini function declarations, and runs calls against a session with
 :class:`ToolRunner`, which turns executions into model-ready results (bounded text, images,
 summarized errors). :mod:`kernelhub.agents.mcp_server` serves the same tools over MCP
 (needs the ``agents`` extra); :mod:`kernelhub.agents.example_loop` is a runnable agent loop
@@ -16,6 +17,8 @@ from kernelhub.agents.tools import (
     ToolSession,
     ToolSpec,
     anthropic_tools,
+    gemini_tools,
+    openai_responses_tools,
     openai_tools,
 )
 
@@ -27,5 +30,7 @@ __all__ = [
     "ToolSession",
     "ToolSpec",
     "anthropic_tools",
+    "gemini_tools",
+    "openai_responses_tools",
     "openai_tools",
 ]

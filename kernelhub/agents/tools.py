@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import mimetypes
 import re
@@ -34,6 +35,7 @@ from typing import Any, Protocol
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kernelhub.agents import schemas
 from kernelhub.client import FileInfo
 from kernelhub.client.errors import (
     ConflictError,
@@ -66,6 +68,8 @@ __all__ = [
     "ToolSpec",
     "UploadFileArgs",
     "anthropic_tools",
+    "gemini_tools",
+    "openai_responses_tools",
     "openai_tools",
     "render_execution",
     "strip_ansi",
@@ -141,7 +145,7 @@ class ToolSpec:
 
     def json_schema(self) -> dict[str, Any]:
         """The arguments as a plain JSON schema object, as both providers accept it."""
-        return _clean_schema(self.args.model_json_schema())
+        return schemas.plain_schema(self.args.model_json_schema())
 
 
 TOOLS: dict[str, ToolSpec] = {
@@ -182,51 +186,29 @@ TOOLS: dict[str, ToolSpec] = {
 }
 
 
-def _clean_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """Pydantic's schema minus what tool APIs do not want: titles, ``anyOf [T, null]`` for
-    optional fields (an optional field is simply not required) and null defaults."""
-    properties: dict[str, Any] = {}
-    for name, prop in schema.get("properties", {}).items():
-        prop = {k: v for k, v in prop.items() if k != "title"}
-        options = prop.pop("anyOf", None)
-        if options is not None:
-            non_null = [o for o in options if o.get("type") != "null"]
-            if len(non_null) == 1:
-                prop = {**non_null[0], **prop}
-            else:
-                prop["anyOf"] = options
-        if prop.get("default", 0) is None:
-            del prop["default"]
-        properties[name] = prop
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(schema.get("required", [])),
-        "additionalProperties": False,
-    }
+def _rendered(render: Callable[[str, str, dict[str, Any]], dict[str, Any]]) -> list[dict[str, Any]]:
+    return [render(s.name, s.description, s.args.model_json_schema()) for s in TOOLS.values()]
 
 
 def openai_tools() -> list[dict[str, Any]]:
-    """The tools for OpenAI function calling (``tools=`` of chat completions)."""
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": spec.name,
-                "description": spec.description,
-                "parameters": spec.json_schema(),
-            },
-        }
-        for spec in TOOLS.values()
-    ]
+    """The tools for OpenAI chat completions (``tools=``; nested ``function`` objects)."""
+    return _rendered(schemas.openai_chat_tool)
+
+
+def openai_responses_tools(*, strict: bool = True) -> list[dict[str, Any]]:
+    """The tools for the OpenAI Responses API (flat ``FunctionToolParam``), strict by default."""
+    return _rendered(functools.partial(schemas.openai_responses_tool, strict=strict))
 
 
 def anthropic_tools() -> list[dict[str, Any]]:
     """The tools for Anthropic tool use (``tools=`` of the Messages API)."""
-    return [
-        {"name": spec.name, "description": spec.description, "input_schema": spec.json_schema()}
-        for spec in TOOLS.values()
-    ]
+    return _rendered(schemas.anthropic_tool)
+
+
+def gemini_tools() -> list[dict[str, Any]]:
+    """The tools as Gemini function declarations: pass
+    ``[{"function_declarations": gemini_tools()}]`` as ``tools=`` of google-genai."""
+    return _rendered(schemas.gemini_function_declaration)
 
 
 # -- what a model gets back ----------------------------------------------------------------
@@ -248,48 +230,39 @@ class ToolResult:
     images: list[Attachment] = field(default_factory=list)
     is_error: bool = False
 
+    def _images(self) -> list[schemas.Image]:
+        return [(a.mime_type, a.data_base64) for a in self.images]
+
     def to_openai_message(self, tool_call_id: str) -> dict[str, Any]:
         """The ``role: tool`` message answering ``tool_call_id``. OpenAI tool messages
         carry text only; pass :meth:`openai_image_message` after it for the images."""
-        text = self.text
-        if self.images:
-            text += f"\n[{len(self.images)} image(s) follow in the next message]"
-        return {"role": "tool", "tool_call_id": tool_call_id, "content": text}
+        return self.to_openai_messages(tool_call_id)[0]
 
     def openai_image_message(self) -> dict[str, Any] | None:
         """A ``role: user`` message with the images as data URLs, or None if there are none."""
-        if not self.images:
-            return None
-        return {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "Images produced by the previous tool call:"},
-                *(
-                    {
-                        "type": "image_url",
-                        "image_url": {"url": f"data:{a.mime_type};base64,{a.data_base64}"},
-                    }
-                    for a in self.images
-                ),
-            ],
-        }
+        messages = self.to_openai_messages("")
+        return messages[1] if len(messages) > 1 else None
+
+    def to_openai_messages(self, tool_call_id: str) -> list[dict[str, Any]]:
+        """Chat completions: the ``role: tool`` message, then a ``role: user`` message with
+        the images if there are any (append both to ``messages``)."""
+        return schemas.openai_chat_messages(tool_call_id, self.text, self._images())
+
+    def to_responses_item(self, call_id: str) -> dict[str, Any]:
+        """Responses API: the ``function_call_output`` input item, images as ``input_image``."""
+        return schemas.openai_responses_output(call_id, self.text, self._images())
 
     def to_anthropic_block(self, tool_use_id: str) -> dict[str, Any]:
         """The ``tool_result`` content block answering ``tool_use_id`` (text and images)."""
-        content: list[dict[str, Any]] = [{"type": "text", "text": self.text}]
-        content += [
-            {
-                "type": "image",
-                "source": {"type": "base64", "media_type": a.mime_type, "data": a.data_base64},
-            }
-            for a in self.images
-        ]
-        return {
-            "type": "tool_result",
-            "tool_use_id": tool_use_id,
-            "content": content,
-            "is_error": self.is_error,
-        }
+        return schemas.anthropic_tool_result(
+            tool_use_id, self.text, self._images(), is_error=self.is_error
+        )
+
+    def to_gemini_part(self, name: str, call_id: str | None = None) -> dict[str, Any]:
+        """Gemini: a ``Part`` with the ``function_response``, images as inline-data parts."""
+        return schemas.gemini_function_response(
+            name, call_id, self.text, self._images(), is_error=self.is_error
+        )
 
 
 # -- pure text shaping ---------------------------------------------------------------------
@@ -589,6 +562,35 @@ class ToolRunner:
             raise
         except (InvalidRequestError, NotFoundError, ConflictError) as exc:
             return self._error(f"{name} was refused: {exc.message}")
+
+    # The model's call in each API's own shape (an SDK object or its dict), answered in
+    # that API's own result shape; the call is run with :meth:`run`.
+
+    async def run_openai_chat(self, tool_call: Any) -> list[dict[str, Any]]:
+        """A chat completions ``tool_calls`` entry -> messages to append (tool, then images)."""
+        function = schemas.field(tool_call, "function")
+        result = await self.run(
+            schemas.field(function, "name"), schemas.field(function, "arguments")
+        )
+        return result.to_openai_messages(schemas.field(tool_call, "id"))
+
+    async def run_responses(self, function_call: Any) -> dict[str, Any]:
+        """A Responses ``function_call`` output item -> its ``function_call_output`` item."""
+        result = await self.run(
+            schemas.field(function_call, "name"), schemas.field(function_call, "arguments")
+        )
+        return result.to_responses_item(schemas.field(function_call, "call_id"))
+
+    async def run_anthropic(self, tool_use: Any) -> dict[str, Any]:
+        """An Anthropic ``tool_use`` block -> its ``tool_result`` block."""
+        result = await self.run(schemas.field(tool_use, "name"), schemas.field(tool_use, "input"))
+        return result.to_anthropic_block(schemas.field(tool_use, "id"))
+
+    async def run_gemini(self, function_call: Any) -> dict[str, Any]:
+        """A Gemini ``FunctionCall`` -> a ``Part`` with its ``function_response``."""
+        name = schemas.field(function_call, "name")
+        result = await self.run(name, schemas.field(function_call, "args"))
+        return result.to_gemini_part(name, schemas.field(function_call, "id", None))
 
     async def _dispatch(self, args: _Args) -> ToolResult:
         match args:

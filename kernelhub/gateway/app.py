@@ -19,7 +19,7 @@ from kernelhub import __version__
 from kernelhub.config import Settings
 from kernelhub.datadir import DataDirLock
 from kernelhub.errors import ForbiddenError
-from kernelhub.gateway import errors, openapi, routes, stream
+from kernelhub.gateway import e2b, errors, openapi, routes, stream
 from kernelhub.gateway.auth import check_origin
 from kernelhub.gateway.connections import StreamRegistry
 from kernelhub.gateway.errors import error_response, response_for
@@ -131,21 +131,24 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
         app.state.metrics = metrics
         app.state.ready = False
         revocations: asyncio.Task[None] | None = None
+        reaper: asyncio.Task[None] | None = None
         try:
             await manager.start()
             await batches.start()  # after the manager: it deletes leftover batch sessions
             revocations = asyncio.create_task(
                 streams.watch(valid, settings.gateway.revocation_check_interval)
             )
+            reaper = asyncio.create_task(e2b.reap(app))  # sandboxes past their E2B timeout
             app.state.ready = True
             log.info("kernelhub gateway ready on the %s backend", backend.name)
             yield
         finally:
             app.state.ready = False
-            if revocations is not None:
-                revocations.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await revocations
+            for task in (revocations, reaper):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await batches.close()  # before the manager: it records and deletes running items
             await manager.close()
             await backend.close()
@@ -162,4 +165,5 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
     openapi.install(app)
     app.include_router(routes.router)
     app.include_router(stream.router)
+    e2b.install(app)
     return app

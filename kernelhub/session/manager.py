@@ -1007,6 +1007,22 @@ class SessionManager(Continuity):
 
         return stream()
 
+    async def call_in_kernel(
+        self,
+        principal: Principal,
+        session_id: str,
+        code: str,
+        expressions: dict[str, str],
+        *,
+        timeout: float | None,
+    ) -> dict[str, Any]:
+        """kernelhub's own ``code`` in the caller's session, in turn with its cells and
+        outside its history (the E2B drop-in's directory listing); the kernel's answers to
+        ``expressions``."""
+        live = await self._get(principal, session_id)
+        kernel = await self._awake(live)
+        return await kernel.call(code, expressions, timeout=timeout)
+
     async def live(self, principal: Principal, session_id: str) -> LiveSession:
         return await self._get(principal, session_id)
 

@@ -105,6 +105,16 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
     remove_sandboxes()
 
 
+@pytest.fixture(scope="module")
+def shared_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """One gateway for a whole test module, for tests that do not restart it."""
+    gw = Gateway(tmp_path_factory.mktemp("shared") / "data", gateway_run_dir())
+    gw.start()
+    yield gw
+    gw.stop()
+    remove_sandboxes()
+
+
 def remove_sandboxes() -> None:
     """A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
     tests remove them (by label, as any cleanup must)."""

@@ -4,28 +4,19 @@ gateway, real Docker sandboxes, attacks written as a hostile cell would write th
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import UNIT
-from tests.gateway.conftest import Gateway, gateway_run_dir, remove_sandboxes
+from tests.gateway.conftest import Gateway
 from tests.gateway.test_gateway import auth, new_session, run, stdout
 
 pytestmark = pytest.mark.docker
 
 MiB = 2**20
-
-
-@pytest.fixture(scope="module")
-def shared_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = Gateway(tmp_path_factory.mktemp("caps") / "data", gateway_run_dir())
-    gw.start()
-    yield gw
-    gw.stop()
-    remove_sandboxes()
 
 
 @pytest.fixture(scope="module")
