@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from kernelhub import __version__
 from kernelhub.config import Settings
-from kernelhub.gateway import errors, openapi, routes, stream
+from kernelhub.gateway import errors, jupyter_api, jupyter_channels, openapi, routes, stream
 from kernelhub.gateway.errors import error_response
 from kernelhub.gateway.metrics import Metrics
 from kernelhub.sandbox.backends import make_backend
@@ -93,4 +93,6 @@ def create_app(settings: Settings) -> FastAPI:
     openapi.install(app)
     app.include_router(routes.router)
     app.include_router(stream.router)
+    app.include_router(jupyter_api.router)  # Jupyter Server's /api, for Jupyter's own clients
+    app.include_router(jupyter_channels.router)
     return app
