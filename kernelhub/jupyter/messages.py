@@ -223,6 +223,7 @@ class Translator:
     origins: dict[str, Origin] = field(default_factory=dict)
     codes: dict[str, str] = field(default_factory=dict)
     execution_count: int = 0
+    begun: set[str] = field(default_factory=set)  # running once: later runnings are resumes
 
     def sent(self, execution_id: str, origin: Origin, code: str) -> None:
         self.origins[execution_id] = origin
@@ -244,7 +245,8 @@ class Translator:
         parent = self.parent_of(eid)
         kind = event.get("type")
         s = self.session
-        if kind == "status" and event.get("status") == "running":
+        if kind == "status" and event.get("status") == "running" and eid not in self.begun:
+            self.begun.add(eid)
             source = self.codes.get(eid, code or "")
             return [
                 status("busy", parent, s),
@@ -310,6 +312,7 @@ class Translator:
             self.execution_count += 1
         self.origins.pop(eid, None)
         self.codes.pop(eid, None)
+        self.begun.discard(eid)
         state = _REPLY_STATUS.get(record.get("status", ""), "error")
         content: dict[str, Any] = {"status": state, "execution_count": self.execution_count}
         if state == "ok":
