@@ -213,16 +213,14 @@ class Connection:
             running = self.live.kernel.running if self.live.kernel else None
             if running is not None:
                 await self.manager.interrupt(self.principal, running.id)
-            await self._answer(msg, "interrupt_reply", {"status": "ok"}, busy=False)
+            await self._answer(msg, "interrupt_reply", {"status": "ok"})
         elif kind == "shutdown_request":
             # Shutting the socket's kernel down means restarting it, or nothing: the session
             # stays the principal's (DELETE /api/kernels/{id} ends it, for everyone).
             wants_restart = bool(content.get("restart"))
             if wants_restart:
                 await restart(self.ws.app, self.principal, self.live, self.client)
-            await self._answer(
-                msg, "shutdown_reply", {"status": "ok", "restart": wants_restart}, busy=False
-            )
+            await self._answer(msg, "shutdown_reply", {"status": "ok", "restart": wants_restart})
         elif kind == "input_reply" and channel == "stdin":
             await self._input_reply(str(content.get("value", "")))
         elif kind.endswith("_request"):
@@ -237,35 +235,29 @@ class Connection:
         else:
             log.debug("session %s: ignoring %s on %s from %s", self.live.id, kind, channel, parent)
 
-    async def _answer(
-        self, msg: Message, reply_type: str, content: dict[str, Any], *, busy: bool = True
-    ) -> None:
+    async def _answer(self, msg: Message, reply_type: str, content: dict[str, Any]) -> None:
         """A reply on the request's channel, inside busy/idle as a kernel sends it."""
         parent, s = msg["header"], self.translator.session
         channel = "control" if msg["channel"] == "control" else "shell"
-        if busy:
-            await self.send(messages.status("busy", parent, s))
+        await self.send(messages.status("busy", parent, s))
         await self.send(messages.message(channel, reply_type, content, parent, s))
-        if busy:
-            await self.send(messages.status("idle", parent, s))
+        await self.send(messages.status("idle", parent, s))
 
     async def _reply_error(self, msg: Message, exc: KernelhubError) -> None:
+        """A refused request (quota, a dead session) answers like a failed one."""
         kind = msg["header"]["msg_type"]
         if not kind.endswith("_request"):
             log.info("session %s: %s failed: %s", self.live.id, kind, exc)
             return
         _, code = status_for(exc)
         err = {"ename": f"kernelhub.{code}", "evalue": str(exc), "traceback": [str(exc)]}
-        parent, s = msg["header"], self.translator.session
-        if kind == "execute_request":
-            await self.send(messages.status("busy", parent, s))
-            await self.send(messages.message("iopub", "error", err, parent, s))
         reply: dict[str, Any] = {"status": "error", **err}
         if kind == "execute_request":
             reply["execution_count"] = self.translator.execution_count
-        await self._answer(msg, kind.replace("_request", "_reply"), reply, busy=False)
-        if kind == "execute_request":
-            await self.send(messages.status("idle", parent, s))
+            await self.send(
+                messages.message("iopub", "error", err, msg["header"], self.translator.session)
+            )
+        await self._answer(msg, kind.replace("_request", "_reply"), reply)
 
     async def _execute(self, msg: Message) -> None:
         content = msg["content"]

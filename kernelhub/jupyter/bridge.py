@@ -148,10 +148,14 @@ class Bridge:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernelhub.jupyter.bridge")
     parser.add_argument("-f", "--connection-file", required=True)
-    args = parser.parse_args(argv)
+    # Kernel options (nbclient passes --HistoryManager.hist_file=...) are the sandboxed
+    # kernel's business, not the relay's: ignored.
+    args, _ = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="kernelhub bridge: %(message)s")
     missing = [
-        v for v in ("KERNELHUB_URL", "KERNELHUB_TOKEN", "KERNELHUB_KERNEL_ID") if not os.environ.get(v)
+        v
+        for v in ("KERNELHUB_URL", "KERNELHUB_TOKEN", "KERNELHUB_KERNEL_ID")
+        if not os.environ.get(v)
     ]
     if missing:
         print(

@@ -99,8 +99,12 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
     gw.start()
     yield gw
     gw.stop()
-    # A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
-    # test removes them (by label, as any cleanup must).
+    remove_sandboxes()
+
+
+def remove_sandboxes() -> None:
+    """A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
+    test removes them (by label, as any cleanup must)."""
     import docker
 
     client = docker.from_env()
