@@ -88,7 +88,7 @@ class Bridge:
             tasks.append(asyncio.create_task(self._heartbeat()))
             tasks.append(asyncio.create_task(self._from_gateway(ws)))
             waiter = asyncio.create_task(self.done.wait())
-            done, _ = await asyncio.wait([waiter, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([waiter, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
             for task in [*tasks, waiter]:
                 task.cancel()
                 with contextlib.suppress(BaseException):

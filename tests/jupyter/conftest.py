@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import websockets
 
@@ -35,6 +36,37 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 def auth(token: str, scheme: str = "token") -> dict[str, str]:
     return {"Authorization": f"{scheme} {token}"}
+
+
+async def agent_session(gw: Gateway, token: str) -> str:
+    async with httpx.AsyncClient(timeout=120) as http:
+        r = await http.post(
+            f"{gw.url}/v1/sessions", json={}, headers=auth(token, "Bearer"), timeout=120
+        )
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+async def agent_run(gw: Gateway, token: str, session_id: str, code: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=120) as http:
+        r = await http.post(
+            f"{gw.url}/v1/sessions/{session_id}/executions",
+            json={"code": code, "wait": True},
+            headers=auth(token, "Bearer"),
+            timeout=120,
+        )
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+async def get(url: str, token: str, scheme: str = "token") -> httpx.Response:
+    async with httpx.AsyncClient(timeout=60) as http:
+        return await http.get(url, headers=auth(token, scheme))
+
+
+def channels_url(gw: Gateway, kernel: str, token: str | None = None) -> str:
+    url = f"{gw.ws_url}/api/kernels/{kernel}/channels"
+    return url if token is None else f"{url}?token={token}"
 
 
 class Channels:

@@ -18,31 +18,20 @@ from kernelhub.jupyter import messages
 from kernelhub.jupyter.provisioner import KernelhubKernelManager
 from tests.conftest import UNIT
 from tests.gateway.conftest import Gateway
-from tests.jupyter.conftest import PLOT, Channels, auth, of_type, reply, stdout
+from tests.jupyter.conftest import (
+    PLOT,
+    Channels,
+    agent_run,
+    agent_session,
+    auth,
+    channels_url,
+    get,
+    of_type,
+    reply,
+    stdout,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(300)]
-
-
-def agent_session(gw: Gateway, token: str) -> str:
-    r = httpx.post(f"{gw.url}/v1/sessions", json={}, headers=auth(token, "Bearer"), timeout=120)
-    assert r.status_code == 201, r.text
-    return str(r.json()["id"])
-
-
-def agent_run(gw: Gateway, token: str, session_id: str, code: str) -> dict[str, Any]:
-    r = httpx.post(
-        f"{gw.url}/v1/sessions/{session_id}/executions",
-        json={"code": code, "wait": True},
-        headers=auth(token, "Bearer"),
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
-
-
-def channels_url(gw: Gateway, kernel: str, token: str | None = None) -> str:
-    url = f"{gw.ws_url}/api/kernels/{kernel}/channels"
-    return url if token is None else f"{url}?token={token}"
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "v1"])
@@ -122,7 +111,7 @@ async def test_channels_run_cells_with_plots_stdin_and_interrupt(gw: Gateway, bi
 
 async def test_auth_as_jupyter_sends_it_and_other_principals_get_404(gw: Gateway) -> None:
     alice, bob = gw.alice, gw.bob  # type: ignore[attr-defined]
-    session = agent_session(gw, alice)
+    session = await agent_session(gw, alice)
     kernel = messages.kernel_id(session)
     async with httpx.AsyncClient(base_url=gw.url, timeout=60) as http:
         for headers, params in (
@@ -164,7 +153,7 @@ async def test_auth_as_jupyter_sends_it_and_other_principals_get_404(gw: Gateway
             await Channels.open(channels_url(gw, kernel, token), binary=False)
         assert refused.value.response.status_code == (404 if token else 401)
     # Alice's session is untouched by Bob's attempts.
-    assert agent_run(gw, alice, session, "1 + 1")["record"]["status"] == "completed"
+    assert await agent_run(gw, alice, session, "1 + 1")["record"]["status"] == "completed"
 
 
 async def test_nbclient_runs_a_notebook_with_a_plot_in_a_new_sandbox(gw: Gateway) -> None:
@@ -183,16 +172,19 @@ async def test_nbclient_runs_a_notebook_with_a_plot_in_a_new_sandbox(gw: Gateway
     assert first.outputs[0]["text"].split()[1] == "True"
     assert any("image/png" in o.get("data", {}) for o in plot.outputs)
     assert last.outputs[0]["data"]["text/plain"] == "45"
-    # The manager made the session, so it deleted it at shutdown.
+    # The manager made the session, so it deletes it at shutdown (nbclient leaves a
+    # manager it was handed running: its owner shuts it down).
     kernel = km.gateway_kernel_id or ""
-    r = httpx.get(f"{gw.url}/api/kernels/{kernel}", headers=auth(alice), timeout=30)
+    assert (await get(f"{gw.url}/api/kernels/{kernel}", alice)).status_code == 200
+    await km.shutdown_kernel()
+    r = await get(f"{gw.url}/api/kernels/{kernel}", alice)
     assert kernel and r.status_code == 404
 
 
 async def test_jupyter_client_shares_an_agent_session_and_its_history(gw: Gateway) -> None:
     alice = gw.alice  # type: ignore[attr-defined]
-    session = agent_session(gw, alice)
-    agent_run(gw, alice, session, "shared = 21")
+    session = await agent_session(gw, alice)
+    await agent_run(gw, alice, session, "shared = 21")
     km = KernelhubKernelManager(gateway_url=gw.url, token=alice, session_id=session)
     await km.start_kernel()
     kc = km.client()
@@ -208,7 +200,7 @@ async def test_jupyter_client_shares_an_agent_session_and_its_history(gw: Gatewa
         assert results[0]["content"]["data"]["text/plain"] == "42"
         # The agent's REST call sees what the Jupyter client defined, and its cell streams
         # to the Jupyter client's iopub too.
-        done = agent_run(gw, alice, session, "print('agent saw', from_jupyter)")
+        done = await agent_run(gw, alice, session, "print('agent saw', from_jupyter)")
         assert "agent saw 42" in "".join(e.get("text", "") for e in done["events"])
         text = ""
         deadline = asyncio.get_running_loop().time() + 30 * UNIT
@@ -222,10 +214,8 @@ async def test_jupyter_client_shares_an_agent_session_and_its_history(gw: Gatewa
         kc.stop_channels()
         await km.shutdown_kernel()
     # Attached, not owned: the session outlives the Jupyter client.
-    assert agent_run(gw, alice, session, "shared")["record"]["status"] == "completed"
-    r = httpx.get(
-        f"{gw.url}/v1/sessions/{session}/notebook", headers=auth(alice, "Bearer"), timeout=60
-    )
+    assert await agent_run(gw, alice, session, "shared")["record"]["status"] == "completed"
+    r = await get(f"{gw.url}/v1/sessions/{session}/notebook", alice, "Bearer")
     nb = nbformat.reads(r.text, as_version=4)
     sources = [c.source for c in nb.cells if c.cell_type == "code"]
     assert "shared = 21" in sources
