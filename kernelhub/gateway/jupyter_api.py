@@ -16,11 +16,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Request, Response, Security
+from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, Field
 
 from kernelhub import __version__
 from kernelhub.errors import AuthError, NotFoundError, SessionClosedError, SessionError
+from kernelhub.gateway.auth import _SCHEME as BEARER_SCHEME
 from kernelhub.gateway.auth import authenticate, client_address
 from kernelhub.gateway.routes import BODY, refusals
 from kernelhub.jupyter import messages
@@ -49,7 +51,10 @@ def jupyter_token(authorization: str | None, query_token: str | None) -> str | N
     return query_token or None
 
 
-async def jupyter_principal(request: Request) -> Principal:
+async def jupyter_principal(
+    request: Request,
+    _: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER_SCHEME)] = None,
+) -> Principal:
     token = jupyter_token(request.headers.get("authorization"), request.query_params.get("token"))
     try:
         return await authenticate(request.app.state.store, token)
@@ -201,7 +206,7 @@ async def list_kernelspecs(request: Request, caller: Caller) -> dict[str, Any]:
     return {"default": messages.KERNEL_NAME, "kernelspecs": {messages.KERNEL_NAME: spec}}
 
 
-@router.get("/api/kernelspecs/{name}", responses=refusals(404), tags=["jupyter"])
+@router.get("/api/kernelspecs/{name}", responses=refusals(404, 422), tags=["jupyter"])
 async def get_kernelspec(name: str, request: Request, caller: Caller) -> dict[str, Any]:
     if name != messages.KERNEL_NAME:
         raise NotFoundError(f"no kernelspec {name!r}; the gateway has {messages.KERNEL_NAME!r}")
@@ -236,13 +241,13 @@ async def start_kernel(body: KernelCreate, request: Request, caller: Caller) -> 
     return kernel_model(request.app, info)
 
 
-@router.get("/api/kernels/{kernel_id}", responses=refusals(404), tags=["jupyter"])
+@router.get("/api/kernels/{kernel_id}", responses=refusals(404, 422), tags=["jupyter"])
 async def get_kernel(kernel_id: str, request: Request, caller: Caller) -> dict[str, Any]:
     return kernel_model(request.app, await resolve(request.app, caller, kernel_id))
 
 
 @router.delete(
-    "/api/kernels/{kernel_id}", status_code=204, responses=refusals(404), tags=["jupyter"]
+    "/api/kernels/{kernel_id}", status_code=204, responses=refusals(404, 422), tags=["jupyter"]
 )
 async def delete_kernel(kernel_id: str, request: Request, caller: Caller) -> Response:
     """Deletes the session (the agent's too, if it shares it)."""
@@ -255,7 +260,7 @@ async def delete_kernel(kernel_id: str, request: Request, caller: Caller) -> Res
 @router.post(
     "/api/kernels/{kernel_id}/interrupt",
     status_code=204,
-    responses=refusals(404, 409),
+    responses=refusals(404, 409, 422),
     tags=["jupyter"],
 )
 async def interrupt_kernel(kernel_id: str, request: Request, caller: Caller) -> Response:
@@ -269,7 +274,9 @@ async def interrupt_kernel(kernel_id: str, request: Request, caller: Caller) -> 
     return Response(status_code=204)
 
 
-@router.post("/api/kernels/{kernel_id}/restart", responses=refusals(404, 409), tags=["jupyter"])
+@router.post(
+    "/api/kernels/{kernel_id}/restart", responses=refusals(404, 409, 422), tags=["jupyter"]
+)
 async def restart_kernel(kernel_id: str, request: Request, caller: Caller) -> dict[str, Any]:
     """A fresh kernel process in the same sandbox: variables gone, files kept."""
     info = await resolve(request.app, caller, kernel_id)

@@ -89,9 +89,8 @@ class Channels:
             subprotocols=[messages.V1_SUBPROTOCOL] if binary else None,  # type: ignore[list-item]
             max_size=None,
         )
-        if binary:
-            assert ws.subprotocol == messages.V1_SUBPROTOCOL
-        return cls(ws, binary=binary)
+        # Offered, the server may still decline it (Jupyter Server does in gateway mode).
+        return cls(ws, binary=ws.subprotocol == messages.V1_SUBPROTOCOL)
 
     async def close(self) -> None:
         await self.ws.close()

@@ -43,6 +43,7 @@ async def test_channels_run_cells_with_plots_stdin_and_interrupt(gw: Gateway, bi
         kernel = r.json()["id"]
         assert str(uuid.UUID(kernel)) == kernel  # Jupyter Server's routes take UUIDs only
         ch = await Channels.open(channels_url(gw, kernel, alice), binary=binary)
+        assert ch.binary == binary  # the gateway takes the v1 subprotocol when offered
         try:
             info = reply(await ch.request("shell", "kernel_info_request", {}))
             assert info["status"] == "ok" and info["language_info"]["name"] == "python"
