@@ -235,11 +235,16 @@ class Connection:
         else:
             log.debug("session %s: ignoring %s on %s from %s", self.live.id, kind, channel, parent)
 
-    async def _answer(self, msg: Message, reply_type: str, content: dict[str, Any]) -> None:
-        """A reply on the request's channel, inside busy/idle as a kernel sends it."""
+    async def _answer(
+        self, msg: Message, reply_type: str, content: dict[str, Any], *outputs: Message
+    ) -> None:
+        """A reply on the request's channel, after ``outputs``, inside busy/idle as a
+        kernel sends it."""
         parent, s = msg["header"], self.translator.session
         channel = "control" if msg["channel"] == "control" else "shell"
         await self.send(messages.status("busy", parent, s))
+        for output in outputs:
+            await self.send(output)
         await self.send(messages.message(channel, reply_type, content, parent, s))
         await self.send(messages.status("idle", parent, s))
 
@@ -252,12 +257,13 @@ class Connection:
         _, code = status_for(exc)
         err = {"ename": f"kernelhub.{code}", "evalue": str(exc), "traceback": [str(exc)]}
         reply: dict[str, Any] = {"status": "error", **err}
+        outputs = []
         if kind == "execute_request":
             reply["execution_count"] = self.translator.execution_count
-            await self.send(
+            outputs.append(
                 messages.message("iopub", "error", err, msg["header"], self.translator.session)
             )
-        await self._answer(msg, kind.replace("_request", "_reply"), reply)
+        await self._answer(msg, kind.replace("_request", "_reply"), reply, *outputs)
 
     async def _execute(self, msg: Message) -> None:
         content = msg["content"]

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
-from jupyter_client.provisioning import LocalProvisioner
+from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from traitlets import Unicode
 
 from kernelhub.jupyter.messages import kernel_id as kernel_id_of
@@ -100,7 +100,7 @@ def _bridge_env(url: str, token: str, kernel_id: str) -> dict[str, str]:
     return {"KERNELHUB_URL": url, "KERNELHUB_TOKEN": token, "KERNELHUB_KERNEL_ID": kernel_id}
 
 
-class KernelhubProvisioner(LocalProvisioner):  # type: ignore[misc]
+class KernelhubProvisioner(LocalProvisioner):
     """Launches the bridge for a gateway kernel (created here unless ``session_id``)."""
 
     gateway_url = Unicode("", config=True, help="the gateway, e.g. http://127.0.0.1:8765")
@@ -133,7 +133,7 @@ class KernelhubProvisioner(LocalProvisioner):  # type: ignore[misc]
         return self._target.kernel_id
 
 
-class KernelhubKernelManager(AsyncKernelManager):  # type: ignore[misc]
+class KernelhubKernelManager(AsyncKernelManager):
     """An AsyncKernelManager whose kernel is a session on a kernelhub gateway."""
 
     gateway_url = Unicode("", config=True, help="the gateway, e.g. http://127.0.0.1:8765")

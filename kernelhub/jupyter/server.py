@@ -24,10 +24,10 @@ from jupyter_server.gateway.managers import GatewayMappingKernelManager
 from tornado.escape import json_decode
 
 
-class KernelhubMappingKernelManager(GatewayMappingKernelManager):  # type: ignore[misc]
+class KernelhubMappingKernelManager(GatewayMappingKernelManager):
     async def list_kernels(self, **kwargs: Any) -> list[dict[str, Any]]:
         response = await gateway_request(self.kernels_url, method="GET")
         for model in json_decode(response.body):
             if model["id"] not in self._kernels:
-                await self.start_kernel(kernel_id=model["id"])
-        return list(await super().list_kernels(**kwargs))
+                await self.start_kernel(kernel_id=model["id"])  # type: ignore[no-untyped-call]
+        return list(await super().list_kernels(**kwargs))  # type: ignore[no-untyped-call]
