@@ -17,7 +17,7 @@ import pytest
 
 from kernelhub.jupyter import messages
 from tests.conftest import UNIT
-from tests.gateway.conftest import Gateway, free_port
+from tests.gateway.conftest import Gateway, free_port, wait_until_up
 from tests.jupyter.conftest import (
     PLOT,
     Channels,
@@ -56,16 +56,7 @@ class JupyterServer:
         ]  # fmt: skip
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=log)
-        deadline = time.monotonic() + 60 * UNIT
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            try:
-                if httpx.get(f"{self.url}/api", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"jupyter server not up: {self.log.read_text()[-2000:]}")
+        wait_until_up(self.proc, f"{self.url}/api", self.log)
 
     def stop(self) -> None:
         self.proc.terminate()

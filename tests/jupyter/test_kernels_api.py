@@ -154,7 +154,7 @@ async def test_auth_as_jupyter_sends_it_and_other_principals_get_404(gw: Gateway
             await Channels.open(channels_url(gw, kernel, token), binary=False)
         assert refused.value.response.status_code == (404 if token else 401)
     # Alice's session is untouched by Bob's attempts.
-    assert await agent_run(gw, alice, session, "1 + 1")["record"]["status"] == "completed"
+    assert (await agent_run(gw, alice, session, "1 + 1"))["record"]["status"] == "completed"
 
 
 async def test_nbclient_runs_a_notebook_with_a_plot_in_a_new_sandbox(gw: Gateway) -> None:
@@ -215,7 +215,7 @@ async def test_jupyter_client_shares_an_agent_session_and_its_history(gw: Gatewa
         kc.stop_channels()
         await km.shutdown_kernel()
     # Attached, not owned: the session outlives the Jupyter client.
-    assert await agent_run(gw, alice, session, "shared")["record"]["status"] == "completed"
+    assert (await agent_run(gw, alice, session, "shared"))["record"]["status"] == "completed"
     r = await get(f"{gw.url}/v1/sessions/{session}/notebook", alice, "Bearer")
     nb = nbformat.reads(r.text, as_version=4)
     sources = [c.source for c in nb.cells if c.cell_type == "code"]
