@@ -38,30 +38,30 @@ def auth(token: str, scheme: str = "token") -> dict[str, str]:
     return {"Authorization": f"{scheme} {token}"}
 
 
+# Plain blocking httpx in a thread: these tests' own calls to the gateway never share the
+# event loop with the Jupyter clients under test.
 async def agent_session(gw: Gateway, token: str) -> str:
-    async with httpx.AsyncClient(timeout=120) as http:
-        r = await http.post(
-            f"{gw.url}/v1/sessions", json={}, headers=auth(token, "Bearer"), timeout=120
-        )
+    r = await asyncio.to_thread(
+        httpx.post, f"{gw.url}/v1/sessions", json={}, headers=auth(token, "Bearer"), timeout=120
+    )
     assert r.status_code == 201, r.text
     return str(r.json()["id"])
 
 
 async def agent_run(gw: Gateway, token: str, session_id: str, code: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=120) as http:
-        r = await http.post(
-            f"{gw.url}/v1/sessions/{session_id}/executions",
-            json={"code": code, "wait": True},
-            headers=auth(token, "Bearer"),
-            timeout=120,
-        )
+    r = await asyncio.to_thread(
+        httpx.post,
+        f"{gw.url}/v1/sessions/{session_id}/executions",
+        json={"code": code, "wait": True},
+        headers=auth(token, "Bearer"),
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
 
 async def get(url: str, token: str, scheme: str = "token") -> httpx.Response:
-    async with httpx.AsyncClient(timeout=60) as http:
-        return await http.get(url, headers=auth(token, scheme))
+    return await asyncio.to_thread(httpx.get, url, headers=auth(token, scheme), timeout=60)
 
 
 def channels_url(gw: Gateway, kernel: str, token: str | None = None) -> str:

@@ -132,9 +132,7 @@ async def test_jupyter_server_runs_a_sandboxed_kernel_as_lab_does(
         nb = await get(f"{gw.url}/v1/sessions/{session}/notebook", alice, "Bearer")
         assert "in the sandbox" in nb.text
         assert (await lab.delete(f"/api/kernels/{kernel}")).status_code == 204
-        assert (
-            await httpx.AsyncClient().get(f"{gw.url}/api/kernels/{kernel}", headers=auth(alice))
-        ).status_code == 404
+        assert (await get(f"{gw.url}/api/kernels/{kernel}", alice)).status_code == 404
 
 
 async def test_an_agent_session_is_a_running_kernel_to_watch_live(
