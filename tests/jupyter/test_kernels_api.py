@@ -166,20 +166,25 @@ async def test_nbclient_runs_a_notebook_with_a_plot_in_a_new_sandbox(gw: Gateway
         nbformat.v4.new_code_cell("sum(range(10))"),
     ]
     km = KernelhubKernelManager(gateway_url=gw.url, token=alice)
-    client = NotebookClient(nb, km=km, timeout=int(120 * UNIT), startup_timeout=int(120 * UNIT))
-    await client.async_execute()
+    started: list[str | None] = []
+    client = NotebookClient(
+        nb,
+        km=km,
+        timeout=int(120 * UNIT),
+        startup_timeout=int(120 * UNIT),
+        on_notebook_start=lambda notebook: started.append(km.gateway_kernel_id),
+    )
+    # cleanup_kc: nbclient stops the channels and the kernel it was handed, as when it owns them.
+    await client.async_execute(cleanup_kc=True)
     first, plot, last = nb.cells
     assert first.outputs[0]["text"].split() != ["0", "True"]  # not root, in the sandbox
     assert first.outputs[0]["text"].split()[1] == "True"
     assert any("image/png" in o.get("data", {}) for o in plot.outputs)
     assert last.outputs[0]["data"]["text/plain"] == "45"
-    # The manager made the session, so it deletes it at shutdown (nbclient leaves a
-    # manager it was handed running: its owner shuts it down).
-    kernel = km.gateway_kernel_id or ""
-    assert (await get(f"{gw.url}/api/kernels/{kernel}", alice)).status_code == 200
-    await km.shutdown_kernel()
-    r = await get(f"{gw.url}/api/kernels/{kernel}", alice)
-    assert kernel and r.status_code == 404
+    # The manager made the session, so it deleted it at shutdown.
+    (kernel,) = started
+    assert kernel is not None
+    assert (await get(f"{gw.url}/api/kernels/{kernel}", alice)).status_code == 404
 
 
 async def test_jupyter_client_shares_an_agent_session_and_its_history(gw: Gateway) -> None:
