@@ -31,7 +31,7 @@ import httpx
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
-from traitlets import Unicode
+from traitlets import HasTraits, Unicode
 
 from kernelhub.jupyter.messages import kernel_id as kernel_id_of
 
@@ -100,24 +100,29 @@ def _bridge_env(url: str, token: str, kernel_id: str) -> dict[str, str]:
     return {"KERNELHUB_URL": url, "KERNELHUB_TOKEN": token, "KERNELHUB_KERNEL_ID": kernel_id}
 
 
-class KernelhubProvisioner(LocalProvisioner):
-    """Launches the bridge for a gateway kernel (created here unless ``session_id``)."""
+class _GatewayOptions(HasTraits):
+    """The options the kernel manager and the provisioner share."""
 
     gateway_url = Unicode("", config=True, help="the gateway, e.g. http://127.0.0.1:8765")
     token = Unicode("", config=True, help="a kernelhub token (default: KERNELHUB_TOKEN)")
     session_id = Unicode("", config=True, help="attach to this session instead of a new one")
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._target = _Target()
-
-    def _gateway(self) -> tuple[GatewayKernel, str, str]:
+    def gateway(self) -> tuple[GatewayKernel, str, str]:
         url = self.gateway_url or os.environ.get("KERNELHUB_URL", "")
         token = self.token or os.environ.get("KERNELHUB_TOKEN", "")
         return GatewayKernel(url, token), url, token
 
+
+# KernelProvisionerMeta derives from MetaHasTraits, which mypy cannot see.
+class KernelhubProvisioner(LocalProvisioner, _GatewayOptions):  # type: ignore[metaclass]
+    """Launches the bridge for a gateway kernel (created here unless ``session_id``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._target = _Target()
+
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
-        gateway, url, token = self._gateway()
+        gateway, url, token = self.gateway()
         session = self.session_id or os.environ.get("KERNELHUB_SESSION", "")
         kernel = await self._target.ensure(gateway, session)
         kwargs["env"] = {**kwargs.get("env", os.environ), **_bridge_env(url, token, kernel)}
@@ -126,19 +131,15 @@ class KernelhubProvisioner(LocalProvisioner):
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
         if not restart:
-            await self._target.release(self._gateway()[0])
+            await self._target.release(self.gateway()[0])
 
     @property
     def gateway_kernel_id(self) -> str | None:
         return self._target.kernel_id
 
 
-class KernelhubKernelManager(AsyncKernelManager):
+class KernelhubKernelManager(AsyncKernelManager, _GatewayOptions):
     """An AsyncKernelManager whose kernel is a session on a kernelhub gateway."""
-
-    gateway_url = Unicode("", config=True, help="the gateway, e.g. http://127.0.0.1:8765")
-    token = Unicode("", config=True, help="a kernelhub token (default: KERNELHUB_TOKEN)")
-    session_id = Unicode("", config=True, help="attach to this session instead of a new one")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -156,7 +157,7 @@ class KernelhubKernelManager(AsyncKernelManager):
             )
         return await super()._async_pre_start_kernel(**kw)
 
-    pre_start_kernel = _async_pre_start_kernel
+    pre_start_kernel = _async_pre_start_kernel  # type: ignore[assignment]  # async, as in the base
 
     @property
     def gateway_kernel_id(self) -> str | None:

@@ -141,6 +141,16 @@ class Channels:
 
         return await self.until(msg_id, done, timeout)
 
+    async def answer_input(self, code: str, value: str) -> tuple[str, list[dict[str, Any]]]:
+        """Run ``code``, answer the stdin prompt it shows with ``value``: (prompt, messages
+        up to the execute_reply)."""
+        msg_id = await self.send("shell", "execute_request", {"code": code, "allow_stdin": True})
+        asked = await self.until(msg_id, lambda m: m["header"]["msg_type"] == "input_request")
+        assert asked[-1]["channel"] == "stdin"
+        await self.send("stdin", "input_reply", {"value": value})
+        msgs = await self.until(msg_id, lambda m: m["header"]["msg_type"] == "execute_reply")
+        return str(asked[-1]["content"]["prompt"]), msgs
+
     async def execute(self, code: str, timeout: float = 60, **extra: Any) -> list[dict[str, Any]]:
         return await self.request(
             "shell",

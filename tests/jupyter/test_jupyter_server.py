@@ -99,15 +99,8 @@ async def test_jupyter_server_runs_a_sandboxed_kernel_as_lab_does(
             msgs = await ch.execute(PLOT)
             assert any("image/png" in m["content"]["data"] for m in of_type(msgs, "display_data"))
 
-            msg_id = await ch.send(
-                "shell",
-                "execute_request",
-                {"code": "n = input('n? ')\nprint(int(n) + 1)", "allow_stdin": True},
-            )
-            await ch.until(msg_id, lambda m: m["header"]["msg_type"] == "input_request")
-            await ch.send("stdin", "input_reply", {"value": "41"})
-            msgs = await ch.until(msg_id, lambda m: m["header"]["msg_type"] == "execute_reply")
-            assert "42" in stdout(msgs)
+            prompt, msgs = await ch.answer_input("n = input('n? ')\nprint(int(n) + 1)", "41")
+            assert prompt == "n? " and "42" in stdout(msgs)
 
             # Lab's stop button: POST .../interrupt on Jupyter Server, passed to the gateway.
             msg_id = await ch.send(

@@ -69,18 +69,12 @@ async def test_channels_run_cells_with_plots_stdin_and_interrupt(gw: Gateway, bi
             assert err["status"] == "error" and err["ename"] == "ZeroDivisionError"
 
             # stdin: the kernel's input() becomes an input_request; the reply answers it.
-            msg_id = await ch.send(
-                "shell",
-                "execute_request",
-                {"code": "name = input('who? ')\nprint('hi', name)", "allow_stdin": True},
-            )
-            asked = (await ch.until(msg_id, lambda m: m["header"]["msg_type"] == "input_request"))[
-                -1
-            ]
-            assert asked["channel"] == "stdin" and asked["content"]["prompt"] == "who? "
-            await ch.send("stdin", "input_reply", {"value": "Ada"})
-            msgs = await ch.until(msg_id, lambda m: m["header"]["msg_type"] == "execute_reply")
+            prompt, msgs = await ch.answer_input("name = input('who? ')\nprint('hi', name)", "Ada")
+            assert prompt == "who? "
             assert "hi Ada" in stdout(msgs) and reply(msgs)["status"] == "ok"
+            # The confirm helper asks the same way.
+            prompt, msgs = await ch.answer_input("print('go' if confirm('delete?') else 'no')", "y")
+            assert prompt == "delete? [y/N] " and stdout(msgs) == "go\n"
 
             # interrupt_request on control stops the cell; the kernel keeps its variables.
             msg_id = await ch.send(
