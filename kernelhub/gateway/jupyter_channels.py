@@ -39,9 +39,12 @@ router = APIRouter()
 _MAX_FRAME_BYTES = 2_000_000
 # Completion and inspection run in the kernel as kernelhub's own silent calls.
 _CALL_TIMEOUT = 5.0
+# As ipykernel completes: IPython's (provisional) completions API on the whole cell.
 _COMPLETE = (
-    "__import__('json').dumps((lambda ip, line: (lambda r: [len(r[0]), list(r[1])])"
-    "(ip.complete('', line, len(line))))(get_ipython(), {line!r}))"
+    "__import__('json').dumps((lambda pc, ip: (lambda cm: (cm.__enter__(), "
+    "[[c.start, c.end, c.text] for c in ip.Completer.completions({code!r}, {pos})], "
+    "cm.__exit__(None, None, None))[1])(pc()))"
+    "(__import__('IPython.core.completer', fromlist=['c']).provisionalcompleter, get_ipython()))"
 )
 _INSPECT = (
     "__import__('json').dumps(get_ipython().object_inspect_mime("
@@ -313,14 +316,12 @@ class Connection:
     async def _complete(self, content: dict[str, Any]) -> dict[str, Any]:
         code = str(content.get("code", ""))
         pos = int(content.get("cursor_pos", len(code)))
-        line = code[:pos].split("\n")[-1]
-        found = await self._call(_COMPLETE.format(line=line))
-        typed, matches = (found[0], found[1]) if found else (0, [])
+        found = await self._call(_COMPLETE.format(code=code, pos=pos)) or []
         return {
             "status": "ok",
-            "matches": matches,
-            "cursor_start": pos - typed,
-            "cursor_end": pos,
+            "matches": [text for _, _, text in found],
+            "cursor_start": found[0][0] if found else pos,
+            "cursor_end": found[0][1] if found else pos,
             "metadata": {},
         }
 

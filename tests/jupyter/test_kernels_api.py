@@ -98,6 +98,19 @@ async def test_channels_run_cells_with_plots_stdin_and_interrupt(gw: Gateway, bi
                 await ch.request("shell", "is_complete_request", {"code": "for i in x:"})
             )
             assert complete["status"] == "incomplete"
+            # Completion and inspection ask the (idle) kernel itself.
+            code = "y = len\nprint(x.bit_"
+            done = reply(
+                await ch.request(
+                    "shell", "complete_request", {"code": code, "cursor_pos": len(code)}
+                )
+            )
+            assert "bit_length" in done["matches"] or "x.bit_length" in done["matches"], done
+            assert done["cursor_end"] == len(code)
+            seen = reply(
+                await ch.request("shell", "inspect_request", {"code": "len", "cursor_pos": 3})
+            )
+            assert seen["found"] and "text/plain" in seen["data"]
         finally:
             await ch.close()
         assert (await http.delete(f"/api/kernels/{kernel}")).status_code == 204
