@@ -19,7 +19,15 @@ from kernelhub import __version__
 from kernelhub.config import Settings
 from kernelhub.datadir import DataDirLock
 from kernelhub.errors import ForbiddenError
-from kernelhub.gateway import e2b, errors, openapi, routes, stream
+from kernelhub.gateway import (
+    e2b,
+    errors,
+    jupyter_api,
+    jupyter_channels,
+    openapi,
+    routes,
+    stream,
+)
 from kernelhub.gateway.auth import check_origin
 from kernelhub.gateway.connections import StreamRegistry
 from kernelhub.gateway.errors import error_response, response_for
@@ -166,4 +174,6 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
     app.include_router(routes.router)
     app.include_router(stream.router)
     e2b.install(app)
+    app.include_router(jupyter_api.router)  # Jupyter Server's /api, for Jupyter's own clients
+    app.include_router(jupyter_channels.router)
     return app

@@ -26,6 +26,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_until_up(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    """Poll ``url`` until it answers 200; fail at once if ``proc`` exits."""
+    deadline = time.monotonic() + 60 * UNIT
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{proc.args} exited: {log.read_text()[-2000:]}"
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{url} not ready: {log.read_text()[-2000:]}")
+
+
 class Gateway:
     def __init__(self, data_dir: Path, run_dir: Path, **env: str) -> None:
         self.port = free_port()
@@ -62,16 +76,7 @@ class Gateway:
                 stdout=log,
                 stderr=log,
             )
-        deadline = time.monotonic() + 60 * UNIT
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"gateway exited: {self.log.read_text()[-2000:]}"
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"gateway not ready: {self.log.read_text()[-2000:]}")
+        wait_until_up(self.proc, f"{self.url}/readyz", self.log)
 
     def kill9(self) -> None:
         assert self.proc is not None

@@ -1,0 +1,237 @@
+"""The gateway's Jupyter kernels API against real sandboxes: the channels WebSocket in both
+framings, auth as Jupyter clients send it, isolation between principals, nbclient and
+jupyter_client through kernelhub's kernel manager, and one history shared with the agent."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import httpx
+import nbformat
+import pytest
+import websockets
+from nbclient import NotebookClient
+
+from kernelhub.jupyter import messages
+from kernelhub.jupyter.provisioner import KernelhubKernelManager
+from tests.conftest import UNIT
+from tests.gateway.conftest import Gateway
+from tests.jupyter.conftest import (
+    PLOT,
+    Channels,
+    agent_run,
+    agent_session,
+    auth,
+    channels_url,
+    get,
+    of_type,
+    reply,
+    stdout,
+)
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "v1"])
+async def test_channels_run_cells_with_plots_stdin_and_interrupt(gw: Gateway, binary: bool) -> None:
+    alice = gw.alice  # type: ignore[attr-defined]
+    async with httpx.AsyncClient(base_url=gw.url, headers=auth(alice), timeout=120) as http:
+        r = await http.post("/api/kernels", json={"name": "python3"})
+        assert r.status_code == 201, r.text
+        kernel = r.json()["id"]
+        assert str(uuid.UUID(kernel)) == kernel  # Jupyter Server's routes take UUIDs only
+        ch = await Channels.open(channels_url(gw, kernel, alice), binary=binary)
+        assert ch.binary == binary  # the gateway takes the v1 subprotocol when offered
+        try:
+            info = reply(await ch.request("shell", "kernel_info_request", {}))
+            assert info["status"] == "ok" and info["language_info"]["name"] == "python"
+
+            msgs = await ch.execute("x = 20\nprint('x is', x)\nx + 1")
+            assert stdout(msgs) == "x is 20\n"
+            (result,) = of_type(msgs, "execute_result")
+            assert result["content"]["data"]["text/plain"] == "21"
+            assert reply(msgs)["status"] == "ok"
+            assert [m["content"]["execution_state"] for m in of_type(msgs, "status")] == [
+                "busy",
+                "idle",
+            ]
+
+            msgs = await ch.execute(PLOT)
+            (png,) = [
+                m for m in of_type(msgs, "display_data") if "image/png" in m["content"]["data"]
+            ]
+            assert len(png["content"]["data"]["image/png"]) > 1000
+
+            msgs = await ch.execute("1/0")
+            err = reply(msgs)
+            assert err["status"] == "error" and err["ename"] == "ZeroDivisionError"
+
+            # stdin: the kernel's input() becomes an input_request; the reply answers it.
+            prompt, msgs = await ch.answer_input("name = input('who? ')\nprint('hi', name)", "Ada")
+            assert prompt == "who? "
+            assert "hi Ada" in stdout(msgs) and reply(msgs)["status"] == "ok"
+            # The confirm helper asks the same way.
+            prompt, msgs = await ch.answer_input("print('go' if confirm('delete?') else 'no')", "y")
+            assert prompt == "delete? [y/N] " and stdout(msgs) == "go\n"
+
+            # interrupt_request on control stops the cell; the kernel keeps its variables.
+            msg_id = await ch.send(
+                "shell",
+                "execute_request",
+                {"code": "import time\nprint('go', flush=True)\ntime.sleep(60)"},
+            )
+            await ch.until(msg_id, lambda m: m["header"]["msg_type"] == "stream")
+            interrupted = await ch.request("control", "interrupt_request", {})
+            assert reply(interrupted)["status"] == "ok"
+            msgs = await ch.until(
+                msg_id, lambda m: m["header"]["msg_type"] == "execute_reply", timeout=30
+            )
+            assert reply(msgs)["ename"] == "KeyboardInterrupt"
+            assert (
+                of_type(await ch.execute("x"), "execute_result")[0]["content"]["data"]["text/plain"]
+                == "20"
+            )
+
+            complete = reply(
+                await ch.request("shell", "is_complete_request", {"code": "for i in x:"})
+            )
+            assert complete["status"] == "incomplete"
+            # Completion and inspection ask the (idle) kernel itself.
+            code = "y = len\nprint(x.bit_"
+            done = reply(
+                await ch.request(
+                    "shell", "complete_request", {"code": code, "cursor_pos": len(code)}
+                )
+            )
+            assert "bit_length" in done["matches"] or "x.bit_length" in done["matches"], done
+            assert done["cursor_end"] == len(code)
+            seen = reply(
+                await ch.request("shell", "inspect_request", {"code": "len", "cursor_pos": 3})
+            )
+            assert seen["found"] and "text/plain" in seen["data"]
+        finally:
+            await ch.close()
+        assert (await http.delete(f"/api/kernels/{kernel}")).status_code == 204
+        assert (await http.get(f"/api/kernels/{kernel}")).status_code == 404
+
+
+async def test_auth_as_jupyter_sends_it_and_other_principals_get_404(gw: Gateway) -> None:
+    alice, bob = gw.alice, gw.bob  # type: ignore[attr-defined]
+    session = await agent_session(gw, alice)
+    kernel = messages.kernel_id(session)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=60) as http:
+        for headers, params in (
+            (auth(alice, "token"), {}),
+            (auth(alice, "Bearer"), {}),
+            ({}, {"token": alice}),
+        ):
+            r = await http.get(f"/api/kernels/{kernel}", headers=headers, params=params)
+            assert r.status_code == 200, r.text
+            assert r.json()["kernelhub"]["session_id"] == session
+        assert (await http.get("/api/kernels")).status_code == 401
+        assert (await http.get("/api/kernels", headers=auth("kh_not-a-token"))).status_code == 401
+        # Every existing session of the caller is a kernel; nobody else's is.
+        mine = (await http.get("/api/kernels", headers=auth(alice))).json()
+        assert kernel in [k["id"] for k in mine]
+        theirs = (await http.get("/api/kernels", headers=auth(bob))).json()
+        assert kernel not in [k["id"] for k in theirs]
+        # Someone else's kernel answers exactly as one that never existed.
+        never = str(uuid.uuid4())
+        for kid in (kernel, never, "not-a-uuid"):
+            for method, path in (
+                ("GET", f"/api/kernels/{kid}"),
+                ("DELETE", f"/api/kernels/{kid}"),
+                ("POST", f"/api/kernels/{kid}/interrupt"),
+                ("POST", f"/api/kernels/{kid}/restart"),
+            ):
+                r = await http.request(method, path, headers=auth(bob))
+                assert r.status_code == 404, (method, path, r.text)
+                assert "not yours" in r.json()["message"]
+        spec = (await http.get("/api/kernelspecs", headers=auth(bob))).json()
+        assert (
+            spec["kernelspecs"]["python3"]["spec"]["metadata"]["kernelhub"]["limits"][
+                "memory_bytes"
+            ]
+            > 0
+        )
+    for token in (bob, None):
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await Channels.open(channels_url(gw, kernel, token), binary=False)
+        assert refused.value.response.status_code == (404 if token else 401)
+    # Alice's session is untouched by Bob's attempts.
+    assert (await agent_run(gw, alice, session, "1 + 1"))["record"]["status"] == "completed"
+
+
+async def test_nbclient_runs_a_notebook_with_a_plot_in_a_new_sandbox(gw: Gateway) -> None:
+    alice = gw.alice  # type: ignore[attr-defined]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import os\nprint(os.getuid(), os.path.exists('/workspace'))"),
+        nbformat.v4.new_code_cell(PLOT),
+        nbformat.v4.new_code_cell("sum(range(10))"),
+    ]
+    km = KernelhubKernelManager(gateway_url=gw.url, token=alice)
+    started: list[str | None] = []
+    client = NotebookClient(
+        nb,
+        km=km,
+        timeout=int(120 * UNIT),
+        startup_timeout=int(120 * UNIT),
+        on_notebook_start=lambda notebook: started.append(km.gateway_kernel_id),
+    )
+    # cleanup_kc: nbclient stops the channels and the kernel it was handed, as when it owns them.
+    await client.async_execute(cleanup_kc=True)
+    first, plot, last = nb.cells
+    assert first.outputs[0]["text"].split() != ["0", "True"]  # not root, in the sandbox
+    assert first.outputs[0]["text"].split()[1] == "True"
+    assert any("image/png" in o.get("data", {}) for o in plot.outputs)
+    assert last.outputs[0]["data"]["text/plain"] == "45"
+    # The manager made the session, so it deleted it at shutdown.
+    (kernel,) = started
+    assert kernel is not None
+    assert (await get(f"{gw.url}/api/kernels/{kernel}", alice)).status_code == 404
+
+
+async def test_jupyter_client_shares_an_agent_session_and_its_history(gw: Gateway) -> None:
+    alice = gw.alice  # type: ignore[attr-defined]
+    session = await agent_session(gw, alice)
+    await agent_run(gw, alice, session, "shared = 21")
+    km = KernelhubKernelManager(gateway_url=gw.url, token=alice, session_id=session)
+    await km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=60 * UNIT)
+        seen: list[dict[str, Any]] = []
+        answer = await kc.execute_interactive(
+            "from_jupyter = shared * 2\nfrom_jupyter", timeout=60 * UNIT, output_hook=seen.append
+        )
+        assert answer["content"]["status"] == "ok"
+        results = [m for m in seen if m["msg_type"] == "execute_result"]
+        assert results[0]["content"]["data"]["text/plain"] == "42"
+        # The agent's REST call sees what the Jupyter client defined, and its cell streams
+        # to the Jupyter client's iopub too.
+        done = await agent_run(gw, alice, session, "print('agent saw', from_jupyter)")
+        assert "agent saw 42" in "".join(e.get("text", "") for e in done["events"])
+        text = ""
+        deadline = asyncio.get_running_loop().time() + 30 * UNIT
+        while "agent saw 42" not in text:
+            msg = await kc.get_iopub_msg(
+                timeout=max(deadline - asyncio.get_running_loop().time(), 0.1)
+            )
+            if msg["msg_type"] == "stream":
+                text += msg["content"]["text"]
+    finally:
+        kc.stop_channels()
+        await km.shutdown_kernel()
+    # Attached, not owned: the session outlives the Jupyter client.
+    assert (await agent_run(gw, alice, session, "shared"))["record"]["status"] == "completed"
+    r = await get(f"{gw.url}/v1/sessions/{session}/notebook", alice, "Bearer")
+    nb = nbformat.reads(r.text, as_version=4)
+    sources = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert "shared = 21" in sources
+    assert "from_jupyter = shared * 2\nfrom_jupyter" in sources  # the Jupyter client's cell
+    assert "print('agent saw', from_jupyter)" in sources
+    assert sources.index("shared = 21") < sources.index("from_jupyter = shared * 2\nfrom_jupyter")
