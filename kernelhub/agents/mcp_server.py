@@ -318,6 +318,7 @@ def build_server(
     ) -> tuple[ToolResult, CallHooks]:
         hooks = CallHooks(LiveOutput(interval=notify_interval), on_input=_elicitor(ctx))
         token = CALL.set(hooks)
+        failure: Exception | None = None
         kernel.busy += 1
         try:
             async with anyio.create_task_group() as tasks:
@@ -330,8 +331,12 @@ def build_server(
                 except AwaitingInput as waiting:
                     kernel.pending = waiting
                     result = _waiting(waiting, max_chars)
+                except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
+                    failure = exc
                 finally:
                     tasks.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
             rest = hooks.live.take(force=True)
             if rest is not None:
                 await _notify(ctx, rest, hooks.live.chunks)
