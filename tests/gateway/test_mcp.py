@@ -219,3 +219,45 @@ async def test_mcp_idle_handles_expire(gateway: Gateway, tmp_path: Path) -> None
         later = await client.call_tool("execute_python", {"code": "print(z)", "session": handle})
         assert "expired" in text(later) and "NameError" in text(later), text(later)
         assert handle not in text(later).rsplit("[session handle: ", 1)[1]
+
+
+# -- the official TypeScript SDK client (tests/agents/ts, `npm ci` there) -------------------
+
+TS_DIR = Path(__file__).parent.parent / "agents" / "ts"
+
+
+async def ts_client(mode: str, target: str, env: dict[str, str]) -> dict[str, Any]:
+    if not (TS_DIR / "node_modules" / "@modelcontextprotocol" / "sdk").is_dir():
+        pytest.fail(f"the TypeScript MCP SDK is not installed: run `npm ci` in {TS_DIR}")
+    proc = await asyncio.create_subprocess_exec(
+        "node", "client.mjs", mode, target, cwd=TS_DIR, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 100 * UNIT)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
+
+
+def check_ts(seen: dict[str, Any]) -> None:
+    start, end = seen["printed_ms"]
+    assert "tick 7" in seen["printed"]
+    for kind in (seen["seen"]["progress"], seen["seen"]["logs"]):
+        assert len([m for t, m in kind if t < end - 300]) >= 2, kind
+        assert "tick 0" in "".join(m for _, m in kind)
+        assert len(kind) <= (end - start) / 100 + 2, kind
+    assert seen["asked"] == "[stdout]\nhi Ada True\n", seen["asked"]
+    assert "name? " in seen["seen"]["asked"][0]
+    assert "timed out" in seen["cancelled"].lower(), seen["cancelled"]
+    assert seen["after"] == "[stdout]\n42\n" and seen["after_ms"] < 15000 * UNIT
+    assert "kernel_died" in seen["oom"] and "[kernel]" in seen["oom"], seen["oom"]
+    assert "alive" in seen["again"], seen["again"]
+
+
+async def test_mcp_typescript_sdk_over_stdio(mcp_env: dict[str, str]) -> None:
+    check_ts(await ts_client("stdio", sys.executable, mcp_env))
+
+
+async def test_mcp_typescript_sdk_over_http(mcp_env: dict[str, str], tmp_path: Path) -> None:
+    async with http_server(mcp_env, tmp_path / "mcp.log") as url:
+        check_ts(await ts_client("http", url, mcp_env))
