@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
-import json
 import logging
 import os
 import warnings
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
-from urllib.parse import quote, unquote
 
 import anyio
 import mcp_types as types
@@ -50,9 +47,10 @@ from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from kernelhub import __version__
+from kernelhub.agents import mcp_resources as resources
 from kernelhub.agents.mcp_kernels import (
     CALL,
     DEFAULT_HANDLE_IDLE_TIMEOUT,
@@ -70,15 +68,21 @@ from kernelhub.agents.mcp_live import (
     answer_of,
     elicitation_for,
 )
+from kernelhub.agents.mcp_tools import (
+    ANSWER_INPUT,
+    HANDLE_NOTE,
+    AnswerInputArgs,
+    mcp_tools,
+    tool_result,
+    waiting_result,
+)
 from kernelhub.agents.tools import (
     DEFAULT_MAX_CHARS,
     TOOLS,
     ToolResult,
     render_execution,
-    truncate,
 )
 from kernelhub.client import AsyncHub, SessionEndedError
-from kernelhub.client.errors import ApiError
 from kernelhub.errors import KernelhubError
 from kernelhub.models import FinalEvent, InputRequestEvent
 
@@ -89,60 +93,6 @@ log = logging.getLogger(__name__)
 DEFAULT_URL = "http://127.0.0.1:8765"
 _KERNEL = "kernelhub.kernel"
 _LOCK = "kernelhub.lock"
-_URI = "kernelhub://sessions/"
-_NOTEBOOK = "notebook.ipynb"
-_WORKSPACE = "workspace/"
-# Lists /workspace from inside the kernel without leaving a name behind (no listing
-# endpoint on the gateway); it shows in the session's history like any cell.
-_LIST_FILES = (
-    "print(__import__('json').dumps(sorted(__import__('os').path.relpath("
-    "__import__('os').path.join(d, f), '/workspace') for d, _, fs in "
-    "__import__('os').walk('/workspace') for f in fs)[:500]))"
-)
-
-_SESSION_ARG = {
-    "type": "string",
-    "description": 'The session handle an earlier result named ("session handle: ..."). '
-    "Pass it on every call if your variables get lost between calls; omit it otherwise.",
-}
-_HANDLE_NOTE = (
-    " Every result ends with the session handle; if your client does not keep an MCP "
-    "session, pass it back as `session` to keep variables between calls."
-)
-
-
-class AnswerInputArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    value: str = Field(
-        description="The answer to the cell's input() prompt (for confirm(): y or n)."
-    )
-
-
-ANSWER_INPUT = types.Tool(
-    name="answer_input",
-    description="Answer the input() or confirm() a running execute_python cell waits on (a "
-    "result said so); returns the cell's result, or the next question it asks.",
-    input_schema={
-        "type": "object",
-        "properties": {
-            "value": AnswerInputArgs.model_json_schema()["properties"]["value"],
-            "session": _SESSION_ARG,
-        },
-        "required": ["value"],
-        "additionalProperties": False,
-    },
-)
-
-
-def _tools() -> list[types.Tool]:
-    tools = []
-    for spec in TOOLS.values():
-        schema = spec.json_schema()
-        schema["properties"] = {**schema.get("properties", {}), "session": _SESSION_ARG}
-        description = spec.description + (_HANDLE_NOTE if spec.name == "execute_python" else "")
-        tools.append(types.Tool(name=spec.name, description=description, input_schema=schema))
-    return [*tools, ANSWER_INPUT]
 
 
 def _connection(ctx: ServerRequestContext[Any, Any]) -> Connection:
@@ -197,23 +147,6 @@ async def _notify(ctx: ServerRequestContext[Any, Any], text: str, n: int) -> Non
             )
     except Exception as exc:  # a lost notification must not fail the cell
         log.debug("live output notification not sent: %s", exc)
-
-
-def _content(result: ToolResult, notes: Sequence[str] = ()) -> types.CallToolResult:
-    text = "\n".join([result.text, *notes]) if notes else result.text
-    blocks: list[types.ContentBlock] = [types.TextContent(text=text)]
-    blocks += [types.ImageContent(data=a.data_base64, mime_type=a.mime_type) for a in result.images]
-    return types.CallToolResult(content=blocks, is_error=result.is_error)
-
-
-def _waiting(waiting: AwaitingInput, max_chars: int) -> ToolResult:
-    shown = (
-        f"[output so far]\n{truncate(waiting.output, max_chars // 2)}\n" if waiting.output else ""
-    )
-    return ToolResult(
-        text=f"{shown}[waiting for input] the cell is paused at input({waiting.prompt!r}) and "
-        "keeps waiting: call answer_input with the value to answer it, or interrupt to stop it."
-    )
 
 
 def build_server(
@@ -330,7 +263,7 @@ def build_server(
                         result = await kernel.runner.run(name, arguments)
                 except AwaitingInput as waiting:
                     kernel.pending = waiting
-                    result = _waiting(waiting, max_chars)
+                    result = waiting_result(waiting, max_chars)
                 except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
                     failure = exc
                 finally:
@@ -349,7 +282,7 @@ def build_server(
     async def list_tools(
         ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=_tools())
+        return types.ListToolsResult(tools=mcp_tools())
 
     async def call_tool(
         ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
@@ -357,13 +290,13 @@ def build_server(
         name = params.name
         if name not in TOOLS and name != ANSWER_INPUT.name:  # no kernel started for nothing
             names = ", ".join([*TOOLS, ANSWER_INPUT.name])
-            return _content(
+            return tool_result(
                 ToolResult(text=f"unknown tool {name!r}; the tools are: {names}", is_error=True)
             )
         arguments = dict(params.arguments or {})
         handle = arguments.pop("session", None)
         if handle is not None and not isinstance(handle, str):
-            return _content(ToolResult(text="`session` must be a string handle", is_error=True))
+            return tool_result(ToolResult(text="`session` must be a string handle", is_error=True))
         notes: list[str] = []
         try:
             kernel = await kernel_for(ctx, handle, notes)
@@ -381,10 +314,10 @@ def build_server(
             if died(hooks):
                 notes.append(await settle(kernel))
         except KernelhubError as exc:
-            return _content(ToolResult(text=f"kernelhub failed: {exc}", is_error=True), notes)
+            return tool_result(ToolResult(text=f"kernelhub failed: {exc}", is_error=True), notes)
         if handle is not None or _stateless(ctx):
             notes.append(f"[session handle: {kernel.handle}]")
-        return _content(result, notes)
+        return tool_result(result, notes)
 
     def visible(ctx: ServerRequestContext[Any, Any]) -> list[Kernel]:
         mine: list[Kernel] = kernels.of(_principal(ctx))
@@ -394,79 +327,20 @@ def build_server(
     async def list_resources(
         ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
     ) -> types.ListResourcesResult:
-        resources = []
-        for kernel in visible(ctx):
-            base = f"{_URI}{kernel.handle}/"
-            resources.append(
-                types.Resource(
-                    uri=base + _NOTEBOOK,
-                    name=f"{kernel.handle} notebook",
-                    description="the session's executions so far, as a Jupyter notebook",
-                    mime_type="application/x-ipynb+json",
-                )
-            )
-            try:
-                listing = await kernel.session.run(_LIST_FILES, timeout=30)
-                paths = json.loads(listing.stdout) if listing.error is None else []
-            except (ApiError, ValueError):
-                paths = []
-            resources += [types.Resource(uri=base + _WORKSPACE + quote(p), name=p) for p in paths]
-        return types.ListResourcesResult(resources=resources)
+        return await resources.list_resources(visible(ctx))
 
     async def list_templates(
         ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
     ) -> types.ListResourceTemplatesResult:
-        return types.ListResourceTemplatesResult(
-            resource_templates=[
-                types.ResourceTemplate(
-                    uri_template=_URI + "{session}/" + _WORKSPACE + "{+path}",
-                    name="workspace file",
-                    description="a file in the session's /workspace",
-                ),
-                types.ResourceTemplate(
-                    uri_template=_URI + "{session}/" + _NOTEBOOK,
-                    name="session notebook",
-                    mime_type="application/x-ipynb+json",
-                ),
-            ]
-        )
+        return resources.templates()
 
     async def read_resource(
         ctx: ServerRequestContext[Any, Any], params: types.ReadResourceRequestParams
     ) -> types.ReadResourceResult:
-        uri = str(params.uri)
-        handle, _, rest = uri.removeprefix(_URI).partition("/")
-        kernel = next((k for k in visible(ctx) if k.handle == handle), None)
-        if not uri.startswith(_URI) or kernel is None:
-            raise MCPError(types.INVALID_PARAMS, f"no such resource {uri!r}; see resources/list")
-        try:
-            if rest == _NOTEBOOK:
-                notebook = await kernel.session.notebook()
-                return types.ReadResourceResult(
-                    contents=[
-                        types.TextResourceContents(
-                            uri=uri, mime_type="application/x-ipynb+json", text=notebook.decode()
-                        )
-                    ]
-                )
-            if not rest.startswith(_WORKSPACE):
-                raise MCPError(
-                    types.INVALID_PARAMS, f"no such resource {uri!r}; see resources/list"
-                )
-            data = await kernel.session.download(unquote(rest.removeprefix(_WORKSPACE)))
-        except ApiError as exc:
-            raise MCPError(types.INVALID_PARAMS, f"cannot read {uri!r}: {exc.message}") from exc
-        try:
-            text = data.decode()
-        except UnicodeDecodeError:
-            blob = base64.b64encode(data).decode()
-            return types.ReadResourceResult(
-                contents=[types.BlobResourceContents(uri=uri, blob=blob)]
-            )
-        return types.ReadResourceResult(contents=[types.TextResourceContents(uri=uri, text=text)])
+        return await resources.read_resource(visible(ctx), str(params.uri))
 
     def input_schema(name: str) -> dict[str, Any] | None:
-        return next((dict(t.input_schema) for t in _tools() if t.name == name), None)
+        return next((dict(t.input_schema) for t in mcp_tools() if t.name == name), None)
 
     @contextlib.asynccontextmanager
     async def lifespan(server: Server[Any]) -> AsyncIterator[dict[str, Any]]:
@@ -483,7 +357,7 @@ def build_server(
         "kernelhub",
         version=__version__,
         instructions="Stateful, sandboxed Python: variables persist between execute_python calls."
-        + _HANDLE_NOTE,
+        + HANDLE_NOTE,
         lifespan=lifespan,
         get_tool_input_schema=input_schema,
         on_list_tools=list_tools,
