@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import mcp_types
 import pytest
 from mcp import Client
@@ -190,15 +191,25 @@ async def test_mcp_stateless_client_keeps_state_through_the_handle(
         kept = await client.call_tool("execute_python", {"code": "print(z)", "session": handle})
         assert text(kept).startswith("[stdout]\n5\n"), text(kept)
 
+        # A dropped request (the caller gives up on it) interrupts its cell too.
+        with anyio.move_on_after(2):
+            await client.call_tool(
+                "execute_python", {"code": "while True: pass", "session": handle}
+            )
+        t0 = time.monotonic()
+        prompt = await client.call_tool(
+            "execute_python", {"code": "print(z + 1)", "session": handle}
+        )
+        assert text(prompt).startswith("[stdout]\n6\n") and time.monotonic() - t0 < 15 * UNIT
+
         # Without elicitation the call returns saying the cell waits; answer_input answers.
         waiting = await client.call_tool(
             "execute_python",
             {"code": "print('before')\nv = input('size? ')\nprint(int(v) * 2)", "session": handle},
         )
         assert "[waiting for input]" in text(waiting) and "size? " in text(waiting)
-        assert "before" in text(waiting)
         done = await client.call_tool("answer_input", {"value": "21", "session": handle})
-        assert "42" in text(done), text(done)
+        assert "before" in text(done) and "42" in text(done), text(done)
 
 
 async def test_mcp_idle_handles_expire(gateway: Gateway, tmp_path: Path) -> None:
