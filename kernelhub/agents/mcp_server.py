@@ -246,6 +246,15 @@ def build_server(
         hooks.finished = execution
         return render_execution(execution, max_chars=max_chars)
 
+    async def stop_waiting(kernel: Kernel) -> ToolResult:
+        """``interrupt`` while a cell waits for ``answer_input``: the runner no longer
+        tracks that cell (its call returned), so interrupt it here."""
+        assert kernel.pending is not None
+        execution_id, kernel.pending = kernel.pending.execution_id, None
+        await kernel.session.interrupt(execution_id)
+        execution = await kernel.session.wait(execution_id)
+        return render_execution(execution, max_chars=max_chars)
+
     async def run_call(
         ctx: ServerRequestContext[Any, Any], kernel: Kernel, name: str, arguments: dict[str, Any]
     ) -> tuple[ToolResult, CallHooks]:
@@ -259,6 +268,8 @@ def build_server(
                 try:
                     if name == "answer_input":
                         result = await answer_input(kernel, arguments, hooks)
+                    elif name == "interrupt" and kernel.pending is not None:
+                        result = await stop_waiting(kernel)
                     else:
                         result = await kernel.runner.run(name, arguments)
                 except AwaitingInput as waiting:

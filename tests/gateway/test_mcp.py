@@ -183,6 +183,14 @@ async def test_mcp_stateless_client_keeps_state_through_the_handle(
         assert "[waiting for input]" in text(waiting) and "size? " in text(waiting)
         done = await client.call_tool("answer_input", {"value": "21", "session": handle})
         assert "before" in text(done) and "42" in text(done), text(done)
+        asking = await client.call_tool(
+            "execute_python", {"code": "input('never answered? ')", "session": handle}
+        )
+        assert "[waiting for input]" in text(asking)
+        stopped = await client.call_tool("interrupt", {"session": handle})
+        assert "KeyboardInterrupt" in text(stopped) or "interrupted" in text(stopped), text(stopped)
+        still = await client.call_tool("execute_python", {"code": "print(z)", "session": handle})
+        assert text(still).startswith("[stdout]\n5\n"), text(still)
 
 
 async def test_mcp_idle_handles_expire(gateway: Gateway, tmp_path: Path) -> None:
