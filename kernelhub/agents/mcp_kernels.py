@@ -137,8 +137,8 @@ class Kernel:
 
     session: AsyncSession
     runner: ToolRunner
-    principal: str
-    last_used: float
+    principal: str = field(repr=False)  # the caller's token, or "" for the server's own
+    last_used: float = 0.0
     pending: AwaitingInput | None = None
     busy: int = 0
 
@@ -182,10 +182,20 @@ class Kernels:
         self.idle_timeout = idle_timeout
         self.clock = clock
         self.handles: dict[tuple[str, str], Kernel] = {}
+        self.hubs: dict[str, AsyncHub] = {}
         self.expired: set[tuple[str, str]] = set()
 
+    def _hub(self, principal: str) -> AsyncHub:
+        """The server's hub, or one of the caller's own token (HTTP with token auth), so
+        the caller's sessions are the caller's, not the server's."""
+        if not principal:
+            return self.hub
+        if principal not in self.hubs:
+            self.hubs[principal] = AsyncHub(self.hub.base_url, principal)
+        return self.hubs[principal]
+
     async def create(self, principal: str) -> Kernel:
-        session = await self.hub.create_session(**self.session_options)
+        session = await self._hub(principal).create_session(**self.session_options)
         runner = ToolRunner(LiveSession(session), **self.runner_options)
         return Kernel(session, runner, principal, self.clock())
 
@@ -234,6 +244,9 @@ class Kernels:
         for kernel in list(self.handles.values()):
             await _delete(kernel.session)
         self.handles.clear()
+        for hub in self.hubs.values():
+            await hub.close()
+        self.hubs.clear()
 
 
 async def settle(kernel: Kernel) -> str:

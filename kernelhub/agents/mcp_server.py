@@ -41,6 +41,7 @@ from typing import Any
 import anyio
 import mcp_types as types
 import uvicorn
+from mcp.server.auth.provider import AccessToken
 from mcp.server.connection import Connection
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
@@ -105,9 +106,14 @@ def _connection(ctx: ServerRequestContext[Any, Any]) -> Connection:
 
 
 def _principal(ctx: ServerRequestContext[Any, Any]) -> str:
-    """Whose kernels a request may use. One gateway token serves the whole server today,
-    so everyone is the same principal; the HTTP transport's token auth names it here."""
-    return ""
+    """Whose kernels a request may use: the kernelhub token an HTTP request was
+    authenticated with (the transport's token auth puts it in the request scope), or ""
+    for the server's own token (stdio). Kernels are created with that token, and session
+    handles are only found again by the same one."""
+    request = ctx.request
+    user = request.scope.get("user") if request is not None else None
+    access = getattr(user, "access_token", None)
+    return access.token if isinstance(access, AccessToken) else ""
 
 
 def _stateless(ctx: ServerRequestContext[Any, Any]) -> bool:

@@ -23,7 +23,7 @@ from kernelhub.agents.example_loop import ScriptedModel, agent_loop
 from kernelhub.agents.tools import ToolRunner
 from kernelhub.client import AsyncHub, AsyncSession
 from tests.conftest import UNIT, eventually
-from tests.gateway.conftest import Gateway, mcp_http_server
+from tests.gateway.conftest import Gateway, free_port
 
 pytestmark = pytest.mark.docker
 
@@ -179,7 +179,29 @@ async def test_mcp_stdio_keeps_state_within_a_session(
 async def test_mcp_streamable_http(
     gateway: Gateway, mcp_env: dict[str, str], tmp_path: Path
 ) -> None:
-    async with mcp_http_server(mcp_env, tmp_path / "mcp-http.log") as url:
-        await _exercise(streamable_http_client(url))
+    port = free_port()
+    log = tmp_path / "mcp-http.log"
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kernelhub.agents.mcp_server", "--transport", "http",
+            "--port", str(port), env=mcp_env, stdout=sink, stderr=sink,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30 * UNIT
+        while True:
+            assert proc.returncode is None, log.read_text()
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                await writer.wait_closed()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"no MCP HTTP server: {log.read_text()}"
+                await asyncio.sleep(0.05)
+        await _exercise(streamable_http_client(f"http://127.0.0.1:{port}/mcp"))
         async with AsyncHub(gateway.url, mcp_env["KERNELHUB_TOKEN"]) as hub:
             await _no_sessions_left(hub)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await asyncio.wait_for(proc.wait(), 30 * UNIT)

@@ -11,11 +11,13 @@ import json
 import os
 import sys
 import time
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx2
 import mcp_types
 import pytest
 from mcp import Client
@@ -48,6 +50,20 @@ def stdio_server(env: dict[str, str]) -> StdioServerParameters:
     return StdioServerParameters(
         command=sys.executable, args=["-m", "kernelhub.agents.mcp_server"], env=env
     )
+
+
+@asynccontextmanager
+async def authed(url: str, env: dict[str, str]) -> AsyncIterator[Any]:
+    """The streamable HTTP transport sending the caller's kernelhub token, as the HTTP
+    transport's token auth requires."""
+    async with (
+        httpx2.AsyncClient(
+            headers={"Authorization": f"Bearer {env['KERNELHUB_TOKEN']}"},
+            timeout=httpx2.Timeout(60 * UNIT, read=300 * UNIT),
+        ) as http,
+        streamable_http_client(url, http_client=http) as streams,
+    ):
+        yield streams
 
 
 class Seen:
@@ -149,13 +165,16 @@ async def test_mcp_http_live_output_input_cancel_oom(
     mcp_env: dict[str, str], tmp_path: Path
 ) -> None:
     async with mcp_http_server(mcp_env, tmp_path / "mcp.log") as url:
-        await exercise(streamable_http_client(url))
+        await exercise(authed(url, mcp_env))
 
 
 async def test_mcp_stateless_client_keeps_state_through_the_handle(
     mcp_env: dict[str, str], tmp_path: Path
 ) -> None:
-    async with mcp_http_server(mcp_env, tmp_path / "mcp.log") as url, Client(url) as client:
+    async with (
+        mcp_http_server(mcp_env, tmp_path / "mcp.log") as url,
+        Client(authed(url, mcp_env)) as client,
+    ):
         assert "session" in (await client.list_tools()).tools[0].input_schema["properties"]
         first = await client.call_tool("execute_python", {"code": "z = 5"})
         handle = text(first).rsplit("[session handle: ", 1)[1].rstrip("]")
@@ -200,7 +219,10 @@ async def test_mcp_idle_handles_expire(gateway: Gateway, tmp_path: Path) -> None
         "KERNELHUB_TOKEN": gateway.token("mcp-idle"),
         "KERNELHUB_MCP_HANDLE_IDLE_TIMEOUT": "1",
     }
-    async with mcp_http_server(env, tmp_path / "mcp.log") as url, Client(url) as client:
+    async with (
+        mcp_http_server(env, tmp_path / "mcp.log") as url,
+        Client(authed(url, env)) as client,
+    ):
         first = await client.call_tool("execute_python", {"code": "z = 5"})
         handle = text(first).rsplit("[session handle: ", 1)[1].rstrip("]")
         async with AsyncHub(gateway.url, env["KERNELHUB_TOKEN"]) as hub:

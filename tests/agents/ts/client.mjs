@@ -18,7 +18,10 @@ const transport =
         env: process.env,
         stderr: "ignore",
       })
-    : new StreamableHTTPClientTransport(new URL(target));
+    : new StreamableHTTPClientTransport(new URL(target), {
+        // the HTTP transport runs tools as the caller's kernelhub token
+        requestInit: { headers: { Authorization: `Bearer ${process.env.KERNELHUB_TOKEN}` } },
+      });
 
 const client = new Client(
   { name: "kernelhub-ts-test", version: "1.0.0" },
