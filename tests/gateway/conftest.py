@@ -4,13 +4,15 @@ data, which is how the restart tests work."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -147,3 +149,31 @@ def make_gateway(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
     for gw in made:
         gw.stop()
     remove_sandboxes()
+
+
+@asynccontextmanager
+async def mcp_http_server(env: dict[str, str], log: Path) -> AsyncIterator[str]:
+    """``kernelhub mcp --transport http`` on a free loopback port; yields its URL."""
+    port = free_port()
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kernelhub.agents.mcp_server", "--transport", "http",
+            "--port", str(port), env=env, stdout=sink, stderr=sink,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30 * UNIT
+        while True:
+            assert proc.returncode is None, log.read_text()
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                await writer.wait_closed()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"no MCP HTTP server: {log.read_text()}"
+                await asyncio.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await asyncio.wait_for(proc.wait(), 30 * UNIT)

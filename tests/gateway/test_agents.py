@@ -140,6 +140,7 @@ async def _exercise(transport: AbstractAsyncContextManager[Any]) -> None:
         tools = await client.list_tools()
         assert [t.name for t in tools.tools] == [
             "execute_python", "upload_file", "download_file", "interrupt", "snapshot",
+            "answer_input",
         ]  # fmt: skip
         assert tools.tools[0].input_schema["required"] == ["code"]
         first = await client.call_tool("execute_python", {"code": "secret = 6 * 7"})
