@@ -102,6 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     create = token_sub.add_parser("create", help="make a token and print it once")
     create.add_argument("--name", required=True)
     create.add_argument("--admin", action="store_true")
+    create.add_argument("--read-only", action="store_true", help="may view and export, never act")
+    create.add_argument(
+        "--session", help="the one session the token may see (it stands for its owner)"
+    )
+    create.add_argument("--expires", help="expire after this long: 90s, 15m, 2h, 7d")
+    create.add_argument("--owner", help="the principal the token stands for (default: itself)")
     token_sub.add_parser("list", help="list tokens (names, never the secrets)")
     revoke = token_sub.add_parser("revoke", help="revoke a token by name")
     revoke.add_argument("name")
@@ -335,6 +341,7 @@ def _serve(settings: Settings, host: str | None, port: int | None) -> int:
         f"kernelhub gateway on http://{gateway.host}:{gateway.port} (data in {settings.data_dir})",
         flush=True,
     )
+    print(f"review page: http://{gateway.host}:{gateway.port}/ (sign in with a token)", flush=True)
     connections = fit_descriptor_limit(gateway.max_connections)
     uvicorn.run(
         create_app(settings, data_dir_lock=lock),
@@ -368,12 +375,33 @@ async def _token(settings: Settings, args: argparse.Namespace) -> int:
     store = await SqliteStore.open(settings.data_dir / "kernelhub.sqlite3")
     try:
         if args.token_command == "create":
-            print(await store.create_token(args.name, admin=args.admin))
+            from kernelhub.tokens import TokenCreate, mint, parse_duration
+
+            spec = TokenCreate(
+                name=args.name,
+                admin=args.admin,
+                read_only=args.read_only,
+                session_id=args.session,
+                expires_in=parse_duration(args.expires) if args.expires else None,
+                owner=args.owner,
+            )
+            print((await mint(store, spec)).token)
         elif args.token_command == "list":
             for t in await store.list_tokens():
                 state = f"revoked {t.revoked_at}" if t.revoked_at else "active"
+                scope = ",".join(
+                    part
+                    for part in (
+                        "read-only" if t.read_only else "",
+                        f"session={t.session_id}" if t.session_id else "",
+                        f"expires={t.expires_at}" if t.expires_at else "",
+                        f"for={t.acts_for}" if t.acts_for else "",
+                    )
+                    if part
+                )
                 print(
                     f"{t.name}\t{'admin' if t.admin else 'user'}\t{state}\tcreated {t.created_at}"
+                    + (f"\t{scope}" if scope else "")
                 )
         elif args.token_command == "revoke":
             if not await store.revoke_token(args.name):

@@ -597,7 +597,11 @@ class SessionManager(Continuity):
         elif state == SessionState.READY and live.kernel and live.kernel.running is not None:
             state = SessionState.BUSY
         last = live.kernel.last_seq if live.kernel else await self.store.last_seq(session_id)
-        return _info(live.stored, state, live.reason, last, warm=live.warm)
+        info = _info(live.stored, state, live.reason, last, warm=live.warm)
+        running = live.kernel.running if live.kernel else None
+        if running is not None and running.status == ExecutionStatus.AWAITING_INPUT:
+            info.awaiting_input = running.id  # a human gate: the review page flags it
+        return info
 
     async def list_sessions(
         self, principal: Principal, *, everyone: bool = False
