@@ -935,7 +935,8 @@ class SessionManager(Continuity):
             or running.status != ExecutionStatus.AWAITING_INPUT
         ):
             raise SessionError(f"execution {execution_id} is not waiting for input")
-        kernel.send_input(value, answered_by=principal.name)  # audited from its event
+        # A scoped token answers in its own name: the audit says who was at the page.
+        kernel.send_input(value, answered_by=principal.token or principal.name)  # audited from its event
 
     # -- pause and resume --------------------------------------------------------------
 
