@@ -936,7 +936,9 @@ class SessionManager(Continuity):
         ):
             raise SessionError(f"execution {execution_id} is not waiting for input")
         # A scoped token answers in its own name: the audit says who was at the page.
-        kernel.send_input(value, answered_by=principal.token or principal.name)  # audited from its event
+        kernel.send_input(
+            value, answered_by=principal.token or principal.name
+        )  # audited from its event
 
     # -- pause and resume --------------------------------------------------------------
 

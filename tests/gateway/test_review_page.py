@@ -157,7 +157,9 @@ def test_sign_in_sets_a_strict_http_only_cookie_and_lists_sessions(
     assert session["httpOnly"] and session["sameSite"] == "Strict" and session["path"] == "/"
     assert 0 < session["expires"] - time.time() <= 8 * 3600 + 60
     assert tokens["alice"] not in session["value"] and tokens["alice"] not in page.url
-    stored = page.evaluate("JSON.stringify({...localStorage}) + JSON.stringify({...sessionStorage})")
+    stored = page.evaluate(
+        "JSON.stringify({...localStorage}) + JSON.stringify({...sessionStorage})"
+    )
     assert tokens["alice"] not in stored
     # The page's CSP forbids inline script and framing.
     csp = httpx.get(gw.url + "/").headers["content-security-policy"]
@@ -226,9 +228,7 @@ def test_confirms_approved_and_denied_and_an_input_answered(
     assert ("alice", "Ada") in answers
 
 
-def test_the_session_list_flags_a_waiting_gate(
-    page: Any, agent: Agent, sid: str
-) -> None:
+def test_the_session_list_flags_a_waiting_gate(page: Any, agent: Agent, sid: str) -> None:
     eid = agent.run(sid, "input('waiting for a human')")
     page.goto(f"{page.url.split('#')[0]}#/sessions")
     row = page.locator(f'#session-table tr[data-session="{sid}"]')
@@ -334,9 +334,7 @@ def test_a_read_only_scoped_token_views_but_cannot_act(
         viewer.context.close()
 
 
-def test_cookie_requests_that_change_something_need_the_csrf_token(
-    page: Any, sid: str
-) -> None:
+def test_cookie_requests_that_change_something_need_the_csrf_token(page: Any, sid: str) -> None:
     status = page.evaluate(
         """async (sid) => (await fetch(`/v1/sessions/${sid}/pause`, {method: "POST"})).status""",
         sid,
@@ -347,8 +345,13 @@ def test_cookie_requests_that_change_something_need_the_csrf_token(
 def test_an_expired_token_is_refused(browser: Any, gw: Gateway) -> None:
     token = gw.cli("token", "create", "--name", "brief", "--expires", "1s")
     refused = until(
-        lambda: (r := httpx.get(f"{gw.url}/v1/whoami", headers={"Authorization": f"Bearer {token}"}))
-        .status_code == 401 and r
+        lambda: (
+            (
+                r := httpx.get(f"{gw.url}/v1/whoami", headers={"Authorization": f"Bearer {token}"})
+            ).status_code
+            == 401
+            and r
+        )
     )
     assert "expired at" in refused.json()["message"]
     context = browser.new_context()
