@@ -237,6 +237,33 @@ def test_the_session_list_flags_a_waiting_gate(page: Any, agent: Agent, sid: str
     agent.final(eid)
 
 
+def test_a_reconnect_replays_what_was_missed_without_gaps_or_repeats(
+    page: Any, agent: Agent, sid: str
+) -> None:
+    open_session(page, sid)
+    cells = page.locator(".cell")
+    before = agent.run(sid, "print('before the cut')")
+    expect(page.locator(f'.cell[data-execution="{before}"] .status')).to_have_text("completed")
+    count = cells.count()
+    # Cut the stream (and keep the page from reconnecting) while a cell runs and ends.
+    page.evaluate("() => { state.view.closed = true; state.view.ws.close(); }")
+    missed = agent.run(sid, "for i in range(5):\n    print('missed', i)")
+    agent.final(missed)
+    page.evaluate("() => { state.view.closed = false; connect(state.view); }")
+    expect(page.locator("#s-conn")).to_have_text("live")
+    cell = page.locator(f'.cell[data-execution="{missed}"]')
+    expect(cell.locator(".status")).to_have_text("completed")
+    text = cell.locator("pre.stdout").inner_text()
+    assert text.split("\n")[:5] == [f"missed {i}" for i in range(5)]
+    expect(cells).to_have_count(count + 1)  # nothing replayed twice
+    assert (
+        page.locator(f'.cell[data-execution="{before}"] pre.stdout')
+        .inner_text()
+        .count("before the cut")
+        == 1
+    )
+
+
 def test_interrupt_a_running_cell_from_the_page(page: Any, agent: Agent, sid: str) -> None:
     open_session(page, sid)
     eid = agent.run(sid, "import time\nprint('sleeping', flush=True)\ntime.sleep(120)")
@@ -276,13 +303,19 @@ def test_hostile_html_output_never_runs_script(
     agent.final(eid)
     frame = page.locator(f'.cell[data-execution="{eid}"] iframe.html-output')
     expect(frame).to_have_count(1)
-    assert frame.get_attribute("sandbox") == ""
     expect(page.frame_locator(f'.cell[data-execution="{eid}"] iframe').locator("b")).to_have_text(
         "bold"
     )
+    # Its images have loaded or failed, so the onerror handler would have run by now; and
+    # a script that ran sets `pwned` before it fetches anything.
+    frame.element_handle().content_frame().wait_for_load_state("load")
+    assert page.evaluate("typeof window.pwned") == "undefined"
+    assert frame.get_attribute("sandbox") == ""
     # Replayed from the store on a fresh page: still inert.
     page.reload()
-    expect(page.locator(f'.cell[data-execution="{eid}"] iframe.html-output')).to_have_count(1)
+    again = page.locator(f'.cell[data-execution="{eid}"] iframe.html-output')
+    expect(again).to_have_count(1)
+    again.element_handle().content_frame().wait_for_load_state("load")
     assert page.evaluate("typeof window.pwned") == "undefined"
     assert wire.hits == []
     wire.server.shutdown()
@@ -328,6 +361,16 @@ def test_a_read_only_scoped_token_views_but_cannot_act(
             [sid, eid, other],
         )
         assert statuses == [403, 403, 403, 404, 200]
+        frame = viewer.evaluate(
+            """(sid) => new Promise((resolve) => {
+              const ws = new WebSocket(`ws://${location.host}/v1/sessions/${sid}/stream?since=999999`);
+              ws.onopen = () => ws.send(JSON.stringify({type: "execute", code: "1", request_id: "r"}));
+              ws.onmessage = (m) => { const f = JSON.parse(m.data);
+                if (f.type === "error") { ws.close(); resolve(f); } };
+            })""",
+            sid,
+        )
+        assert frame["error"] == "forbidden" and "read-only" in frame["message"]
         agent.http.post(f"/v1/executions/{eid}/input", json={"value": "done"})
         agent.final(eid)
     finally:
