@@ -179,6 +179,14 @@ async def pause_session(session_id: str, request: Request, caller: Caller) -> Se
     return await manager(request).pause(caller, session_id, client_address(request))
 
 
+@router.post("/v1/sessions/{session_id}/restart", responses=refusals(*SESSION), tags=["sessions"])
+async def restart_session(session_id: str, request: Request, caller: Caller) -> SessionInfo:
+    """A fresh kernel in the same sandbox: variables gone, files kept (after the cells
+    queued before it)."""
+    await manager(request).restart(caller, session_id, client_address(request))
+    return await manager(request).info(caller, session_id)
+
+
 @router.post("/v1/sessions/{session_id}/resume", responses=refusals(*SESSION), tags=["sessions"])
 async def resume_session(session_id: str, request: Request, caller: Caller) -> SessionInfo:
     return await manager(request).resume(caller, session_id, client_address(request))

@@ -275,6 +275,25 @@ def test_interrupt_a_running_cell_from_the_page(page: Any, agent: Agent, sid: st
     expect(cell.locator("pre.traceback")).to_contain_text("KeyboardInterrupt")
 
 
+def test_restart_and_pause_from_the_page_with_confirmation(
+    page: Any, agent: Agent, sid: str
+) -> None:
+    open_session(page, sid)
+    agent.final(agent.run(sid, "kept = 41"))
+    page.once("dialog", lambda d: d.dismiss())  # "cancel": nothing happens
+    page.click("#c-restart")
+    assert agent.final(agent.run(sid, "kept + 1"))["record"]["status"] == "completed"
+    page.once("dialog", lambda d: d.accept())
+    page.click("#c-restart")
+    expect(page.locator("#cells pre.notice").last).to_contain_text("kernel was restarted")
+    after = agent.final(agent.run(sid, "kept"))
+    assert after["record"]["error"]["name"] == "NameError"
+    page.click("#c-pause")
+    expect(page.locator("#s-state")).to_have_text("paused")
+    page.click("#c-resume")
+    expect(page.locator("#s-state")).to_have_text("ready")
+
+
 def test_the_notebook_downloads_and_validates(page: Any, sid: str) -> None:
     open_session(page, sid)
     with page.expect_download() as download:
@@ -340,7 +359,7 @@ def test_a_read_only_scoped_token_views_but_cannot_act(
         expect(viewer.locator(f'tr[data-session="{sid}"]')).to_be_visible()
         open_session(viewer, sid)
         expect(viewer.locator(".cell").first).to_be_visible()
-        for button in ("#c-interrupt", "#c-pause", "#c-resume", "#c-delete"):
+        for button in ("#c-interrupt", "#c-pause", "#c-resume", "#c-restart", "#c-delete"):
             expect(viewer.locator(button)).to_be_disabled()
         eid = agent.run(sid, "input('ask the viewer')")
         gate = viewer.locator(f'.gate[data-execution="{eid}"]')

@@ -254,7 +254,10 @@ function bundle(data) {
 function apply(v, ev) {
   if (ev.seq && ev.seq <= v.lastSeq) return; // replayed twice across a reconnect
   if (ev.seq) v.lastSeq = ev.seq;
-  if (!ev.execution_id) return;
+  if (!ev.execution_id) { // about the session, between cells (a restart, a rewind)
+    if (ev.type === "notice") $("cells").append(el("pre", { class: "notice", text: ev.message }));
+    return;
+  }
   const cell = cellOf(v, ev.execution_id);
   switch (ev.type) {
     case "stream": {
@@ -358,6 +361,9 @@ for (const b of document.querySelectorAll(".controls button")) {
       if (!confirm(`Delete session ${v.id}? Its sandbox and variables are lost.`)) return;
       await api("DELETE", `/v1/sessions/${sid}`);
       location.hash = "#/sessions";
+    } else if (what === "restart") {
+      if (!confirm(`Restart the kernel of ${v.id}? Its variables are lost (files stay).`)) return;
+      await api("POST", `/v1/sessions/${sid}/restart`);
     } else {
       await api("POST", `/v1/sessions/${sid}/${what}`);
     }
