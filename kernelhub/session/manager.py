@@ -598,6 +598,7 @@ class SessionManager(Continuity):
             state = SessionState.BUSY
         last = live.kernel.last_seq if live.kernel else await self.store.last_seq(session_id)
         info = _info(live.stored, state, live.reason, last, warm=live.warm)
+        info.stored_bytes = self.store.ledger.session_bytes(session_id)  # live, not as stored
         running = live.kernel.running if live.kernel else None
         if running is not None and running.status == ExecutionStatus.AWAITING_INPUT:
             info.awaiting_input = running.id  # a human gate: the review page flags it
@@ -1034,6 +1035,7 @@ def _info(
         last_seq=last_seq,
         reason=reason,
         warm=warm,
+        stored_bytes=s.stored_bytes,
     )
 
 

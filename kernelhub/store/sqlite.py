@@ -175,6 +175,7 @@ class StoredSession(BaseModel):
     metadata: dict[str, Any]
     reason: str | None
     deleted_at: datetime | None
+    stored_bytes: int = 0
 
 
 class StoredExecution(BaseModel):
@@ -1184,6 +1185,7 @@ def _session(r: sqlite3.Row) -> StoredSession:
         metadata=json.loads(r[6]),
         reason=r[7],
         deleted_at=datetime.fromisoformat(r[8]) if r[8] else None,
+        stored_bytes=int(r[10] or 0) if len(r) > 10 else 0,  # ended_at, stored_bytes: v2
     )
 
 

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.docker
 CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_MS = 60_000 * UNIT
+expect.set_options(timeout=30_000 * UNIT)
 
 
 def until(predicate: Callable[[], Any], timeout: float = 60) -> Any:
@@ -439,3 +440,34 @@ def test_sign_out_ends_the_cookie(browser: Any, gw: Gateway, tokens: dict[str, s
         assert r.status_code == 401
     finally:
         page.context.close()
+
+
+def test_an_admin_sees_everyone_reads_the_audit_log_and_stops_all(
+    browser: Any, gw: Gateway, agent: Agent, sid: str, tokens: dict[str, str]
+) -> None:
+    """Last: it stops every session."""
+    admin = sign_in(browser, gw, tokens["root"])
+    try:
+        row = admin.locator(f'#session-table tr[data-session="{sid}"]')
+        expect(row).to_contain_text("alice")  # someone else's, with its owner
+        expect(row.locator(".usage")).to_contain_text("KiB stored")
+        admin.fill("#f-owner", "nobody")
+        expect(row).to_have_count(0)
+        admin.fill("#f-owner", "ali")
+        expect(row).to_have_count(1)
+        admin.click("#nav-audit")
+        admin.fill("#a-action", "session.restart")
+        admin.click("#a-search")
+        rows = admin.locator("#audit-table tbody tr")
+        expect(rows.first).to_contain_text("session.restart")
+        assert all("session.restart" in t for t in rows.all_inner_texts())
+        admin.fill("#a-action", "")
+        admin.fill("#a-text", "Delete file A?")
+        admin.click("#a-search")
+        expect(rows.first).to_contain_text("confirm('Delete file A?')")
+        admin.once("dialog", lambda d: d.accept())
+        admin.click("#stop-all")
+        expect(admin.locator("#flash")).to_contain_text("stopped")
+        assert agent.http.get(f"/v1/sessions/{sid}").status_code == 410
+    finally:
+        admin.context.close()

@@ -102,8 +102,8 @@ $("signout").addEventListener("click", () => act(async () => {
 $("stop-all").addEventListener("click", () => act(async () => {
   if (!confirm("Stop and delete EVERY session of every user?")) return;
   const r = await api("POST", "/v1/admin/stop-all");
+  await loadSessions();
   flash(`stopped ${r.stopped} session(s)`);
-  loadSessions();
 }));
 
 // -- sessions list -------------------------------------------------------------------
@@ -124,8 +124,9 @@ async function loadSessions() {
   const me = state.me;
   if (!me) return;
   const path = me.admin ? "/v1/admin/sessions" : "/v1/sessions";
-  const list = await act(() => api("GET", path));
-  if (!list) return;
+  let list;
+  try { list = await api("GET", path); } catch (e) { flash(e.message); return; }
+  // (No flash("") here: it polls, and must not wipe what an action just reported.)
   const want = $("f-state").value, owner = $("f-owner").value.trim().toLowerCase();
   const text = $("f-text").value.trim().toLowerCase();
   const body = $("session-table").tBodies[0];
@@ -139,7 +140,7 @@ async function loadSessions() {
       el("td", {}, link), el("td", { text: s.owner }),
       el("td", {}, el("span", { class: "state", text: s.state })),
       el("td", { text: age(s.created_at) }), el("td", { text: limitsText(s.limits || {}) }),
-      el("td", { text: String(s.last_seq) }),
+      el("td", { class: "usage", text: `${s.last_seq} events, ${(s.stored_bytes / 1024).toFixed(1)} KiB stored` }),
       el("td", { class: "gate-flag", text: s.awaiting_input ? "waiting for an answer" : "" }));
     body.append(row);
   }
