@@ -7,9 +7,11 @@ cookie, watches, answers, steers and exports them. One gateway, one browser for 
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -395,6 +397,27 @@ def test_a_read_only_scoped_token_views_but_cannot_act(
         agent.final(eid)
     finally:
         viewer.context.close()
+
+
+def test_the_cli_mints_a_scoped_token(gw: Gateway, sid: str) -> None:
+    token = gw.cli(
+        "token", "create", "--name", "cli-viewer", "--read-only", "--session", sid,
+        "--expires", "2h",
+    )  # fmt: skip
+    me = httpx.get(f"{gw.url}/v1/whoami", headers={"Authorization": f"Bearer {token}"}).json()
+    assert (me["name"], me["token"], me["read_only"], me["session_id"]) == (
+        "alice",
+        "cli-viewer",
+        True,
+        sid,
+    )
+    left = datetime.fromisoformat(me["expires_at"]) - datetime.now(UTC)
+    assert timedelta(hours=1, minutes=59) < left <= timedelta(hours=2)
+    listed = gw.cli("token", "list")
+    assert f"read-only,session={sid},expires=" in listed
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        gw.cli("token", "create", "--name", "x", "--session", "nope")
+    assert "no session 'nope'" in refused.value.stderr
 
 
 def test_cookie_requests_that_change_something_need_the_csrf_token(page: Any, sid: str) -> None:
