@@ -427,8 +427,8 @@ async def _handle(
         await manager.interrupt(principal, running.id)
     elif isinstance(frame, InputReplyFrame):
         if principal.session_id is not None:  # a session-scoped token: that session's cells
-            row = await manager.store.get_execution(frame.execution_id)
-            check_scope(principal, act=True, session_id=row.session_id if row else live.id)
+            found = await manager.store.get_execution(frame.execution_id)
+            check_scope(principal, act=True, session_id=found.session_id if found else live.id)
         await manager.send_input(principal, frame.execution_id, frame.value)
     elif isinstance(frame, SnapshotFrame):
         info = await manager.snapshot(principal, live.id, client)
