@@ -172,7 +172,14 @@ class GatewaySettings(BaseModel):
         default_factory=list,
         description="browser origins (`https://app.example.com`) allowed to call the gateway; "
         "empty: none but the gateway's own. Requests without an Origin (non-browser "
-        "clients) are always allowed",
+        "clients) are always allowed. The same list answers CORS preflights and gets "
+        "Access-Control-Allow-Origin (for chat frontends on another origin)",
+    )
+    web_session_ttl: float = Field(
+        8 * 3600.0,
+        gt=0,
+        description="seconds a review-page sign-in (its cookie) lasts; never past its "
+        "token's own expiry, and revoking the token ends it",
     )
     metrics_token: SecretStr | None = Field(
         None,

@@ -94,6 +94,10 @@ class SessionInfo(BaseModel):
     last_seq: int = 0
     reason: str | None = None
     warm: bool = Field(False, description="its sandbox came ready from the warm pool")
+    stored_bytes: int = Field(0, description="what its events and executions take in the store")
+    awaiting_input: str | None = Field(
+        None, description="the execution waiting on an input() or confirm() answer, if any"
+    )
     restore: RestoreReport | None = Field(None, description="set when made from a snapshot")
 
 

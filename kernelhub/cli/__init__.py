@@ -223,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     create = token_sub.add_parser("create", help="make a token and print it (only this once)")
     create.add_argument("--name", required=True, help="a name to list and revoke it by")
     create.add_argument("--admin", action="store_true", help="may use the /v1/admin routes")
+    create.add_argument("--read-only", action="store_true", help="may view and export, never act")
+    create.add_argument(
+        "--session", help="the one session the token may see (it stands for its owner)"
+    )
+    create.add_argument("--expires", help="expire after this long: 90s, 15m, 2h, 7d")
+    create.add_argument("--owner", help="the principal the token stands for (default: itself)")
     token_sub.add_parser("list", parents=[as_json], help="list tokens (names, never the secrets)")
     revoke = token_sub.add_parser("revoke", help="revoke a token by name")
     revoke.add_argument("name", help="the token's name (see `token list`)")

@@ -118,7 +118,17 @@ async def token(settings: Settings, args: argparse.Namespace, console: Console) 
     store = await SqliteStore.open(settings.data_dir / "kernelhub.sqlite3")
     try:
         if args.token_command == "create":
-            console.say(await store.create_token(args.name, admin=args.admin))
+            from kernelhub.tokens import TokenCreate, mint, parse_duration
+
+            spec = TokenCreate(
+                name=args.name,
+                admin=args.admin,
+                read_only=args.read_only,
+                session_id=args.session,
+                expires_in=parse_duration(args.expires) if args.expires else None,
+                owner=args.owner,
+            )
+            console.say((await mint(store, spec)).token)
         elif args.token_command == "list":
             tokens = await store.list_tokens()
             console.say(to_json(tokens) if args.json else tokens_table(tokens))

@@ -213,17 +213,28 @@ def tokens_table(tokens: Sequence[Any]) -> str:
     if not tokens:
         return "no tokens"
     return table(
-        ("NAME", "ROLE", "STATE", "CREATED"),
+        ("NAME", "ROLE", "STATE", "CREATED", "SCOPE"),
         (
             (
                 t.name,
                 "admin" if t.admin else "user",
                 f"revoked {t.revoked_at}" if t.revoked_at else "active",
                 str(t.created_at),
+                _scope(t),
             )
             for t in tokens
         ),
     )
+
+
+def _scope(t: Any) -> str:
+    parts = (
+        "read-only" if getattr(t, "read_only", False) else "",
+        f"session={t.session_id}" if getattr(t, "session_id", None) else "",
+        f"expires={t.expires_at}" if getattr(t, "expires_at", None) else "",
+        f"for={t.acts_for}" if getattr(t, "acts_for", None) else "",
+    )
+    return ",".join(p for p in parts if p) or "-"
 
 
 # ------------------------------------------------------------------------- errors

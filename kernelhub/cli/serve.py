@@ -299,6 +299,7 @@ async def run_gateway(
 async def _announce(settings: Settings) -> None:
     gw = settings.gateway
     print(f"kernelhub gateway on http://{gw.host}:{gw.port} (data in {settings.data_dir})")
+    print(f"review page: http://{gw.host}:{gw.port}/ (sign in with a token)")
     first = await bootstrap_token(settings)
     if first:
         print(f"no tokens existed; created admin token 'admin' (shown once): {first}")

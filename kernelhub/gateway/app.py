@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -32,6 +33,7 @@ from kernelhub.gateway.auth import check_origin
 from kernelhub.gateway.connections import StreamRegistry
 from kernelhub.gateway.errors import error_response, response_for
 from kernelhub.gateway.metrics import Metrics
+from kernelhub.review import routes as review
 from kernelhub.sandbox.backends import make_backend
 from kernelhub.session.batches import BatchObserver, BatchRunner
 from kernelhub.session.manager import Observer, SessionManager
@@ -128,7 +130,8 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
         )
 
         async def valid(token: str) -> bool:
-            return await store.principal_for(token) is not None
+            p = await store.principal_for(token)
+            return p is not None and not p.expired()
 
         app.state.settings = settings
         app.state.streams = streams
@@ -168,6 +171,19 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimit, limit=settings.gateway.max_body_bytes)
+    # Inside the guard: a preflight from an origin off the list is refused there (403),
+    # one from the list gets its Access-Control-* answer here. Bearer tokens, no cookies:
+    # a foreign origin never rides on a review-page sign-in.
+    origins = settings.gateway.allowed_origins
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=[] if "*" in origins else origins,
+        allow_origin_regex=".*" if "*" in origins else None,
+        allow_methods=["GET", "POST", "PUT", "DELETE"],
+        allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
+        allow_credentials=False,
+        max_age=600,
+    )
     app.add_middleware(OriginGuard, allowed=settings.gateway.allowed_origins)
     errors.install(app)
     openapi.install(app)
@@ -176,4 +192,5 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
     e2b.install(app)
     app.include_router(jupyter_api.router)  # Jupyter Server's /api, for Jupyter's own clients
     app.include_router(jupyter_channels.router)
+    review.install(app)
     return app

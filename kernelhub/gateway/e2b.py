@@ -44,7 +44,7 @@ from kernelhub.errors import (
     SessionClosedError,
 )
 from kernelhub.gateway import e2b_wire as wire
-from kernelhub.gateway.auth import authenticate, bearer, client_address
+from kernelhub.gateway.auth import authenticate, bearer, client_address, require_unscoped
 from kernelhub.gateway.errors import status_for
 from kernelhub.session.manager import SessionManager
 from kernelhub.store.sqlite import Principal
@@ -140,7 +140,8 @@ async def _principal(request: Request, *headers: str) -> tuple[Principal, str]:
         raise AuthError(
             "missing API key; set E2B_API_KEY to a kernelhub token (`kernelhub token create --name NAME`)"
         )
-    return await authenticate(request.app.state.store, token), token
+    caller = await authenticate(request.app.state.store, token)
+    return require_unscoped(caller, "E2B API"), token
 
 
 def _deadline(request: Request, info: SessionInfo) -> datetime | None:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 from kernelhub import __version__
 from kernelhub.errors import AuthError, NotFoundError, SessionClosedError, SessionError
 from kernelhub.gateway.auth import _SCHEME as BEARER_SCHEME
-from kernelhub.gateway.auth import authenticate, client_address
+from kernelhub.gateway.auth import authenticate, client_address, require_unscoped
 from kernelhub.gateway.routes import BODY, refusals
 from kernelhub.jupyter import messages
 from kernelhub.session.manager import LiveSession, SessionManager
@@ -57,7 +57,9 @@ async def jupyter_principal(
 ) -> Principal:
     token = jupyter_token(request.headers.get("authorization"), request.query_params.get("token"))
     try:
-        return await authenticate(request.app.state.store, token)
+        return require_unscoped(
+            await authenticate(request.app.state.store, token), "Jupyter kernels API"
+        )
     except AuthError as exc:
         raise AuthError(
             f"{exc}; Jupyter clients send `Authorization: token <t>` "

@@ -24,7 +24,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from kernelhub.errors import AuthError, KernelhubError, NotFoundError
-from kernelhub.gateway.auth import authenticate, client_address
+from kernelhub.gateway.auth import authenticate, client_address, require_unscoped
 from kernelhub.gateway.errors import status_for
 from kernelhub.gateway.jupyter_api import jupyter_token, resolve, restart, state_of
 from kernelhub.jupyter import messages
@@ -58,7 +58,9 @@ async def channels(ws: WebSocket, kernel_id: str) -> None:
     manager: SessionManager = ws.app.state.manager
     try:
         token = jupyter_token(ws.headers.get("authorization"), ws.query_params.get("token"))
-        principal = await authenticate(ws.app.state.store, token)
+        principal = require_unscoped(
+            await authenticate(ws.app.state.store, token), "Jupyter kernels API"
+        )
         info = await resolve(ws.app, principal, kernel_id)
         live = await manager.live(principal, info.id)
     except KernelhubError as exc:

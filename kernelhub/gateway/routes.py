@@ -9,13 +9,15 @@ import nbformat
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from kernelhub.export import to_html, to_notebook
 from kernelhub.gateway.auth import admin, client_address, metrics_reader, principal
 from kernelhub.gateway.openapi import WS_SCHEMA_PATH
 from kernelhub.session.batches import BatchRunner
 from kernelhub.session.manager import SessionManager, execution_info
-from kernelhub.store.sqlite import Principal
+from kernelhub.store.sqlite import AuditEntry, Principal
+from kernelhub.tokens import TokenCreate, TokenCreated, mint
 from kernelhub.wire import (
     BatchCreate,
     BatchInfo,
@@ -106,7 +108,10 @@ async def create_session(body: SessionCreate, request: Request, caller: Caller) 
 
 @router.get("/v1/sessions", responses=refusals(), tags=["sessions"])
 async def list_sessions(request: Request, caller: Caller) -> SessionList:
-    return SessionList(sessions=await manager(request).list_sessions(caller))
+    sessions = await manager(request).list_sessions(caller)
+    if caller.session_id is not None:  # a session-scoped token sees its one session
+        sessions = [s for s in sessions if s.id == caller.session_id]
+    return SessionList(sessions=sessions)
 
 
 @router.get("/v1/sessions/{session_id}", responses=refusals(404, 410, 422), tags=["sessions"])
@@ -172,6 +177,14 @@ async def pause_session(session_id: str, request: Request, caller: Caller) -> Se
     """Freeze the sandbox (cgroup freezer). While paused, execute, interrupt and snapshot
     answer 409; delete works."""
     return await manager(request).pause(caller, session_id, client_address(request))
+
+
+@router.post("/v1/sessions/{session_id}/restart", responses=refusals(*SESSION), tags=["sessions"])
+async def restart_session(session_id: str, request: Request, caller: Caller) -> SessionInfo:
+    """A fresh kernel in the same sandbox: variables gone, files kept (after the cells
+    queued before it)."""
+    await manager(request).restart(caller, session_id, client_address(request))
+    return await manager(request).info(caller, session_id)
 
 
 @router.post("/v1/sessions/{session_id}/resume", responses=refusals(*SESSION), tags=["sessions"])
@@ -316,6 +329,49 @@ async def admin_sessions(request: Request, caller: Admin) -> SessionList:
 @router.post("/v1/admin/stop-all", responses=refusals(403), tags=["admin"])
 async def admin_stop_all(request: Request, caller: Admin) -> dict[str, int]:
     return {"stopped": await manager(request).stop_all(caller, client_address(request))}
+
+
+class AuditPage(BaseModel):
+    entries: list[dict[str, Any]]
+    next_before: int | None = None
+
+
+@router.get("/v1/admin/audit", responses=refusals(403, 422), tags=["admin"])
+async def admin_audit(
+    request: Request,
+    caller: Admin,
+    principal: str | None = None,
+    action: str | None = None,
+    session_id: str | None = None,
+    text: Annotated[str | None, Query(max_length=200)] = None,
+    before: int | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> AuditPage:
+    """The audit log, newest first, a page at a time: pass ``next_before`` as ``before``
+    for the next. Filters: who, what action, which session, text in the code or detail."""
+    rows = await request.app.state.store.audit_log(
+        session_id, principal=principal, action=action, text=text, before=before, limit=limit
+    )
+    more = rows[-1]["id"] if len(rows) == limit else None
+    return AuditPage(entries=rows, next_before=more)
+
+
+@router.post(
+    "/v1/admin/tokens", status_code=201, responses=refusals(*BODY, 403, 404, 409), tags=["admin"]
+)
+async def admin_mint_token(body: TokenCreate, request: Request, caller: Admin) -> TokenCreated:
+    """Mint a token, e.g. a read-only one for one session that expires, for a browser."""
+    minted = await mint(request.app.state.store, body)
+    await request.app.state.store.audit(
+        AuditEntry(
+            principal=caller.name,
+            action="token_create",
+            session_id=body.session_id,
+            client=client_address(request),
+            detail={"name": body.name, "read_only": body.read_only, "expires_in": body.expires_in},
+        )
+    )
+    return minted
 
 
 # -- notebook export ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from kernelhub.errors import (
     QuotaError,
     SessionClosedError,
 )
-from kernelhub.gateway.auth import authenticate, client_address, websocket_token
+from kernelhub.gateway.auth import authenticate, check_scope, client_address, websocket_token
 from kernelhub.gateway.connections import StreamRegistry
 from kernelhub.gateway.errors import response_for, status_for
 from kernelhub.gateway.ws_protocol import (
@@ -125,6 +125,7 @@ async def stream(ws: WebSocket, session_id: str) -> None:
     try:
         principal = await authenticate(manager.store, token)
         assert token is not None
+        check_scope(principal, act=False, session_id=session_id)
         live = await manager.live(principal, session_id)
         since = int(ws.query_params.get("since", "0"))
         if since < 0:
@@ -321,7 +322,7 @@ async def _receive(
         # The frame that matters most, an `execute`, goes to the kernel as it arrives,
         # without ASGI's queue and a task switch (~0.2 ms a cell here); anything else, or
         # an execute that has to wait or fails, takes the usual path below.
-        if busy or len(text) > _MAX_FRAME_CHARS:
+        if busy or len(text) > _MAX_FRAME_CHARS or principal.read_only:
             return False
         try:
             frame = _CLIENT_FRAME.validate_json(text)
@@ -414,7 +415,9 @@ async def _handle(
 ) -> None:
     if isinstance(frame, PingFrame):
         await sender.send(PongFrame(request_id=frame.request_id).model_dump_json())
-    elif isinstance(frame, ExecuteFrame):
+        return
+    check_scope(principal, act=True, session_id=live.id)  # a read-only token only watches
+    if isinstance(frame, ExecuteFrame):
         row, _, _ = await manager.submit(principal, live.id, _execution_create(frame), client)
         _accept(manager, sender, frame, row.id, manager.settings.gateway.coalesce_window)
     elif isinstance(frame, InterruptFrame):
@@ -423,6 +426,9 @@ async def _handle(
             raise NotFoundError("no execution is running in this session")
         await manager.interrupt(principal, running.id)
     elif isinstance(frame, InputReplyFrame):
+        if principal.session_id is not None:  # a session-scoped token: that session's cells
+            found = await manager.store.get_execution(frame.execution_id)
+            check_scope(principal, act=True, session_id=found.session_id if found else live.id)
         await manager.send_input(principal, frame.execution_id, frame.value)
     elif isinstance(frame, SnapshotFrame):
         info = await manager.snapshot(principal, live.id, client)

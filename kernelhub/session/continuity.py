@@ -150,6 +150,33 @@ class Continuity:
             _, old = live.checkpoints.pop(0)
             await kernel.call_now(calls.remove(old), {}, timeout=60)
 
+    async def restart(
+        self, principal: Principal, session_id: str, client: str | None = None
+    ) -> None:
+        """A fresh kernel in the same sandbox: variables gone, files kept. It waits its
+        turn behind the cells queued before it (interrupt a stuck one first)."""
+        live = await self._get(principal, session_id)
+        kernel = await self._awake(live)
+        t0 = time.monotonic()
+        await kernel.exclusive(kernel.restart)
+        kernel._emit(
+            None,
+            NoticeEvent(
+                execution_id="",
+                seq=kernel._next_seq(),
+                message="the kernel was restarted: variables are gone, files are kept",
+            ),
+        )
+        await self.store.audit(
+            AuditEntry(
+                principal=principal.token or principal.name,
+                action="session.restart",
+                session_id=session_id,
+                client=client,
+                duration=time.monotonic() - t0,
+            )
+        )
+
     async def rewind(
         self, principal: Principal, session_id: str, before_cell: int, client: str | None = None
     ) -> RewindReport:

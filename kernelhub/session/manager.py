@@ -597,7 +597,12 @@ class SessionManager(Continuity):
         elif state == SessionState.READY and live.kernel and live.kernel.running is not None:
             state = SessionState.BUSY
         last = live.kernel.last_seq if live.kernel else await self.store.last_seq(session_id)
-        return _info(live.stored, state, live.reason, last, warm=live.warm)
+        info = _info(live.stored, state, live.reason, last, warm=live.warm)
+        info.stored_bytes = self.store.ledger.session_bytes(session_id)  # live, not as stored
+        running = live.kernel.running if live.kernel else None
+        if running is not None and running.status == ExecutionStatus.AWAITING_INPUT:
+            info.awaiting_input = running.id  # a human gate: the review page flags it
+        return info
 
     async def list_sessions(
         self, principal: Principal, *, everyone: bool = False
@@ -931,7 +936,10 @@ class SessionManager(Continuity):
             or running.status != ExecutionStatus.AWAITING_INPUT
         ):
             raise SessionError(f"execution {execution_id} is not waiting for input")
-        kernel.send_input(value, answered_by=principal.name)  # audited from its event
+        # A scoped token answers in its own name: the audit says who was at the page.
+        kernel.send_input(
+            value, answered_by=principal.token or principal.name
+        )  # audited from its event
 
     # -- pause and resume --------------------------------------------------------------
 
@@ -1043,6 +1051,7 @@ def _info(
         last_seq=last_seq,
         reason=reason,
         warm=warm,
+        stored_bytes=s.stored_bytes,
     )
 
 

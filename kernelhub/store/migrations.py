@@ -48,8 +48,25 @@ def _storage(db: sqlite3.Connection) -> None:
     )
 
 
+def _scoped_tokens(db: sqlite3.Connection) -> None:
+    """Version 3: scoped tokens (read-only, one session, an expiry, standing for another
+    principal) and the review page's sign-in sessions."""
+    for sql in (
+        "ALTER TABLE tokens ADD COLUMN read_only INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE tokens ADD COLUMN session_id TEXT",
+        "ALTER TABLE tokens ADD COLUMN expires_at TEXT",
+        "ALTER TABLE tokens ADD COLUMN acts_for TEXT",
+        # A sign-in names its token by hash, so revoking the token ends the sign-in too.
+        "CREATE TABLE IF NOT EXISTS web_sessions (id_hash TEXT PRIMARY KEY,"
+        " token_hash TEXT NOT NULL, csrf TEXT NOT NULL, created_at TEXT NOT NULL,"
+        " expires_at TEXT NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS audit_principal ON audit(principal)",
+    ):
+        db.execute(sql)
+
+
 # Version N+1 is reached by MIGRATIONS[N - 1]; append, never edit or reorder.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_storage]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_storage, _scoped_tokens]
 LATEST = 1 + len(MIGRATIONS)
 
 

@@ -16,7 +16,7 @@ import secrets
 import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -139,8 +139,19 @@ def hash_token(token: str) -> str:
 
 
 class Principal(BaseModel):
+    """Who a request speaks for, and what its token may do. ``name`` owns the sessions
+    (a scoped token stands for the principal it was made for); ``token`` is the token's
+    own name when that differs."""
+
     name: str
     admin: bool = False
+    read_only: bool = Field(False, description="may view and export, never act")
+    session_id: str | None = Field(None, description="sees this one session only")
+    expires_at: datetime | None = None
+    token: str | None = Field(None, description="the token's name, if not `name`")
+
+    def expired(self, now: datetime | None = None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (now or datetime.now(UTC))
 
 
 class TokenInfo(BaseModel):
@@ -148,6 +159,10 @@ class TokenInfo(BaseModel):
     admin: bool
     created_at: str
     revoked_at: str | None
+    read_only: bool = False
+    session_id: str | None = None
+    expires_at: str | None = None
+    acts_for: str | None = None
 
 
 class StoredSession(BaseModel):
@@ -160,6 +175,7 @@ class StoredSession(BaseModel):
     metadata: dict[str, Any]
     reason: str | None
     deleted_at: datetime | None
+    stored_bytes: int = 0
 
 
 class StoredExecution(BaseModel):
@@ -223,6 +239,26 @@ class AuditEntry(BaseModel):
     output_bytes: int | None = None
     client: str | None = None
     detail: dict[str, Any] | None = None
+
+
+WEB_SESSION_PREFIX = "khs_"
+_TOKEN_COLUMNS = (
+    "tokens.name, tokens.admin, tokens.read_only, tokens.session_id, tokens.expires_at,"
+    " tokens.acts_for"
+)
+
+
+def _principal(r: sqlite3.Row) -> Principal:
+    """From the columns ``_TOKEN_COLUMNS`` names, in its order."""
+    name, admin, read_only, session_id, expires_at, acts_for = tuple(r)[:6]
+    return Principal(
+        name=acts_for or name,
+        admin=bool(admin),
+        read_only=bool(read_only),
+        session_id=session_id,
+        expires_at=datetime.fromisoformat(expires_at) if expires_at else None,
+        token=name if acts_for else None,
+    )
 
 
 _INLINE_BYTES = 64 * 1024  # larger event batches are written on the store thread
@@ -448,16 +484,27 @@ class SqliteStore:
 
     # -- tokens ------------------------------------------------------------------------
 
-    async def create_token(self, name: str, *, admin: bool = False) -> str:
+    async def create_token(
+        self,
+        name: str,
+        *,
+        admin: bool = False,
+        read_only: bool = False,
+        session_id: str | None = None,
+        expires_at: datetime | None = None,
+        acts_for: str | None = None,
+    ) -> str:
         """Make a token; returns it in clear text, the only time it is ever shown."""
         token = "kh_" + secrets.token_urlsafe(32)
 
         def insert() -> None:
             try:
                 self._q(
-                    "INSERT INTO tokens (name, token_hash, admin, created_at) VALUES (?,?,?,?)",
-                    (name, hash_token(token), int(admin), now_iso()),
-                )
+                    "INSERT INTO tokens (name, token_hash, admin, created_at, read_only,"
+                    " session_id, expires_at, acts_for) VALUES (?,?,?,?,?,?,?,?)",
+                    (name, hash_token(token), int(admin), now_iso(), int(read_only), session_id,
+                     expires_at.isoformat() if expires_at else None, acts_for),
+                )  # fmt: skip
             except sqlite3.IntegrityError as exc:
                 raise StoreError(f"a token named {name!r} exists; pick another name") from exc
 
@@ -465,20 +512,70 @@ class SqliteStore:
         return token
 
     async def principal_for(self, token: str) -> Principal | None:
+        """The principal of a token (expired ones too: the caller names the expiry), or
+        of a sign-in id (``khs_...``, from the review page's cookie) while it lasts."""
+        if token.startswith(WEB_SESSION_PREFIX):
+            found = await self.web_session(token)
+            return found[0] if found else None
         rows = await self._run(
             self._q,
-            "SELECT name, admin FROM tokens WHERE token_hash = ? AND revoked_at IS NULL",
+            f"SELECT {_TOKEN_COLUMNS} FROM tokens WHERE token_hash = ? AND revoked_at IS NULL",
             (hash_token(token),),
         )
-        return Principal(name=rows[0][0], admin=bool(rows[0][1])) if rows else None
+        return _principal(rows[0]) if rows else None
+
+    async def create_web_session(self, token: str, ttl: float) -> tuple[str, str, datetime]:
+        """A sign-in for ``token``: its id (the cookie), its CSRF token and its expiry,
+        which is never later than the token's own."""
+        principal = await self.principal_for(token)
+        assert principal is not None
+        expires = datetime.now(UTC) + timedelta(seconds=ttl)
+        if principal.expires_at is not None:
+            expires = min(expires, principal.expires_at)
+        sid = WEB_SESSION_PREFIX + secrets.token_urlsafe(32)
+        csrf = secrets.token_urlsafe(24)
+        await self._run(
+            self._q,
+            "INSERT INTO web_sessions (id_hash, token_hash, csrf, created_at, expires_at)"
+            " VALUES (?,?,?,?,?)",
+            (hash_token(sid), hash_token(token), csrf, now_iso(), expires.isoformat()),
+        )
+        return sid, csrf, expires
+
+    async def web_session(self, sid: str) -> tuple[Principal, str] | None:
+        """The principal and CSRF token of a live sign-in; None once it expired or its
+        token was revoked."""
+        rows = await self._run(
+            self._q,
+            f"SELECT {_TOKEN_COLUMNS}, w.csrf, w.expires_at FROM web_sessions w"
+            " JOIN tokens ON tokens.token_hash = w.token_hash"
+            " WHERE w.id_hash = ? AND tokens.revoked_at IS NULL",
+            (hash_token(sid),),
+        )
+        if not rows or datetime.fromisoformat(rows[0][7]) <= datetime.now(UTC):
+            return None
+        return _principal(rows[0]), str(rows[0][6])
+
+    async def delete_web_session(self, sid: str) -> None:
+        await self._run(
+            self._q,
+            "DELETE FROM web_sessions WHERE id_hash = ? OR expires_at <= ?",
+            (hash_token(sid), now_iso()),
+        )
 
     async def list_tokens(self) -> list[TokenInfo]:
         rows = await self._run(
-            self._q, "SELECT name, admin, created_at, revoked_at FROM tokens ORDER BY id"
+            self._q,
+            "SELECT name, admin, created_at, revoked_at, read_only, session_id, expires_at,"
+            " acts_for FROM tokens ORDER BY id",
         )
         return [
-            TokenInfo(name=r[0], admin=bool(r[1]), created_at=r[2], revoked_at=r[3]) for r in rows
-        ]
+            TokenInfo(
+                name=r[0], admin=bool(r[1]), created_at=r[2], revoked_at=r[3],
+                read_only=bool(r[4]), session_id=r[5], expires_at=r[6], acts_for=r[7],
+            )
+            for r in rows
+        ]  # fmt: skip
 
     async def revoke_token(self, name: str) -> bool:
         def revoke() -> bool:
@@ -986,16 +1083,37 @@ class SqliteStore:
             ),
         )
 
-    async def audit_log(self, session_id: str | None = None) -> list[dict[str, Any]]:
-        sql = "SELECT * FROM audit"
-        params: tuple[Any, ...] = ()
-        if session_id:
-            sql += " WHERE session_id = ?"
-            params = (session_id,)
+    async def audit_log(
+        self,
+        session_id: str | None = None,
+        *,
+        principal: str | None = None,
+        action: str | None = None,
+        text: str | None = None,
+        before: int | None = None,
+        limit: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Audit rows, oldest first; with ``limit``, the newest ``limit`` rows with ids
+        below ``before`` (a page), newest first. ``text`` matches code and detail."""
+        where: list[str] = []
+        params: list[Any] = []
+        for column, value in (("session_id", session_id), ("principal", principal),
+                              ("action", action)):  # fmt: skip
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if text:
+            where.append("(instr(lower(code), lower(?)) > 0 OR instr(lower(detail), lower(?)) > 0)")
+            params += [text, text]
+        if before is not None:
+            where.append("id < ?")
+            params.append(before)
+        sql = "SELECT * FROM audit" + (" WHERE " + " AND ".join(where) if where else "")
+        order = " ORDER BY id" if limit is None else f" ORDER BY id DESC LIMIT {int(limit)}"
 
         def fetch() -> list[dict[str, Any]]:
             assert self._db is not None
-            cur = self._db.execute(sql + " ORDER BY id", params)
+            cur = self._db.execute(sql + order, params)
             names = [d[0] for d in cur.description]
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
@@ -1067,6 +1185,7 @@ def _session(r: sqlite3.Row) -> StoredSession:
         metadata=json.loads(r[6]),
         reason=r[7],
         deleted_at=datetime.fromisoformat(r[8]) if r[8] else None,
+        stored_bytes=int(r[10] or 0) if len(r) > 10 else 0,  # ended_at, stored_bytes: v2
     )
 
 
