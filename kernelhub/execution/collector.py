@@ -485,10 +485,14 @@ def _cut(text: str, limit: int) -> str:
 
 
 def _error_size(error: CellError) -> int:
+    # Counted as the kernel sent it (coloured): the plain twin is derived, not dropped.
     return (
         len(error.name.encode("utf-8", "surrogatepass"))
         + len(error.value.encode("utf-8", "surrogatepass"))
-        + sum(len(line.encode("utf-8", "surrogatepass")) for line in error.traceback)
+        + sum(
+            len(line.encode("utf-8", "surrogatepass"))
+            for line in (error.traceback_ansi or error.traceback)
+        )
     )
 
 

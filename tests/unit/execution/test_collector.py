@@ -219,6 +219,16 @@ def test_errors_are_bounded_and_every_one_is_charged() -> None:
     assert first > 0 and c.error is not None and c.error.name == "E"
 
 
+def test_a_coloured_traceback_under_the_cap_drops_nothing() -> None:
+    # The plain twin of a coloured traceback is derived, not a cut: nothing was dropped.
+    c = collector(limit=10 * 2**20)
+    coloured = ["\x1b[31mKeyError\x1b[0m: 'missing'", "\x1b[32mCell In[2], line 4\x1b[0m"]
+    (event,) = c.feed(msg("error", ename="KeyError", evalue="'missing'", traceback=coloured))
+    assert isinstance(event, ErrorEvent) and "\x1b" not in "".join(event.error.traceback)
+    assert event.error.traceback_ansi == coloured
+    assert (c.dropped_bytes, c.dropped_events) == (0, 0)
+
+
 def test_prompts_are_cut_and_charged_but_never_dropped() -> None:
     c = collector(limit=1024)
     c.feed(msg("stream", name="stdout", text="z" * 1024))
