@@ -151,6 +151,20 @@ class KernelhubProvisioner(LocalProvisioner, _GatewayOptions):  # type: ignore[m
         if not restart:
             await self._target.release(self.gateway()[0])
 
+    # A manager that persists its kernels (Enterprise Gateway, say) restores a provisioner
+    # from this: without the gateway kernel, the restored one would make a second session
+    # at its next launch and never delete the first.
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info = dict(await super().get_provisioner_info())
+        info["kernelhub"] = {"kernel_id": self._target.kernel_id, "owned": self._target.owned}
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
+        await super().load_provisioner_info(provisioner_info)
+        saved = provisioner_info.get("kernelhub") or {}
+        self._target.kernel_id = saved.get("kernel_id")
+        self._target.owned = bool(saved.get("owned")) and self._target.kernel_id is not None
+
     @property
     def gateway_kernel_id(self) -> str | None:
         return self._target.kernel_id

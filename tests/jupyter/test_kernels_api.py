@@ -21,6 +21,7 @@ import pytest
 import websockets
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager, start_new_kernel
+from jupyter_client.provisioning import KernelProvisionerFactory
 from nbclient import NotebookClient
 
 from kernelhub.client import errors as client_errors
@@ -414,3 +415,22 @@ def test_jupyter_console_runs_a_cell_in_the_attached_session(gw: Gateway, specs:
     )
     sources = [c.source for c in nbformat.reads(r.text, as_version=4).cells]
     assert "print(for_console.upper())" in sources  # the console's cell is in the record
+
+
+def test_a_restored_provisioner_keeps_its_session_and_deletes_it(gw: Gateway, specs: str) -> None:
+    km, kc = start_new_kernel(kernel_name="kernelhub", startup_timeout=120 * UNIT)
+    kc.stop_channels()
+    assert isinstance(km.provisioner, KernelhubProvisioner)
+    kernel = km.provisioner.gateway_kernel_id
+    info = asyncio.run(km.provisioner.get_provisioner_info())
+    # What a persisting manager does after its own restart: a fresh provisioner, restored.
+    restored = KernelProvisionerFactory.instance().create_provisioner_instance(
+        km.kernel_id, km.kernel_spec, parent=km
+    )
+    assert isinstance(restored, KernelhubProvisioner)
+    asyncio.run(restored.load_provisioner_info(info))
+    assert restored.gateway_kernel_id == kernel
+    km.provisioner, was = restored, km.provisioner
+    km.shutdown_kernel()  # stops the bridge by its saved pid, and the session it made
+    assert was.process is not None and was.process.wait(timeout=30 * UNIT) is not None
+    assert kernel_status(gw, kernel) == 404
