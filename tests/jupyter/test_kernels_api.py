@@ -258,22 +258,29 @@ async def test_jupyter_client_shares_an_agent_session_and_its_history(gw: Gatewa
 PROVISIONERS = "jupyter_client.kernel_provisioners"
 
 
-def provisioner_entry_point(site: Path) -> Path:
-    """A sys.path entry that registers the provisioner entry point pyproject.toml declares.
+def provisioner_entry_point(site: Path) -> list[str]:
+    """The sys.path entries that register the provisioner entry point pyproject.toml declares.
 
-    A pip-installed kernelhub (CI) has it already; an editable install made before the
-    entry point existed does not, so the declaration is written as a dist-info of its own.
-    Either way the entry point found is pyproject's, and it loads the provisioner."""
+    A pip-installed kernelhub (CI) registers it itself: none are needed, and the installed
+    one is what runs. An editable install made before the entry point existed does not, so
+    the declaration is written as a dist-info of its own. Either way the entry point found
+    is pyproject's."""
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     ((name, value),) = project["project"]["entry-points"][PROVISIONERS].items()
+    assert name == PROVISIONER_NAME
+
+    def found() -> set[str]:
+        return {ep.value for ep in entry_points(group=PROVISIONERS, name=name)}
+
+    if found() == {value}:
+        return []
     dist = site / "kernelhub_provisioner_ep-0.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kernelhub-provisioner-ep\n")
     (dist / "entry_points.txt").write_text(f"[{PROVISIONERS}]\n{name} = {value}\n")
     sys.path.insert(0, str(site))
-    found = {ep.value for ep in entry_points(group=PROVISIONERS, name=PROVISIONER_NAME)}
-    assert found == {value}, found
-    return site
+    assert found() == {value}, found()
+    return [str(site)]
 
 
 @pytest.fixture(scope="module")
@@ -282,14 +289,14 @@ def specs(gw: Gateway, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     ``kernelhub-attach`` (an agent's session, into a prefix); yields that session."""
     home = tmp_path_factory.mktemp("jupyter-home")
     session = asyncio.run(agent_session(gw, gw.alice))  # type: ignore[attr-defined]
-    site = provisioner_entry_point(home / "site")
+    added = provisioner_entry_point(home / "site")
     env = {
         "JUPYTER_DATA_DIR": str(home / "data"),
         "JUPYTER_PATH": str(home / "prefix" / "share" / "jupyter"),
         "JUPYTER_CONFIG_DIR": str(home / "config"),
         "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
         "KERNELHUB_TOKEN": gw.alice,  # type: ignore[attr-defined]
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [*added, os.environ.get("PYTHONPATH")])),
     }
     install = [sys.executable, "-m", "kernelhub.jupyter.provisioner", "install", "--url", gw.url]
     with pytest.MonkeyPatch.context() as mp:
@@ -301,7 +308,8 @@ def specs(gw: Gateway, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
         ):
             subprocess.run([*install, *extra], check=True, env=os.environ, timeout=60 * UNIT)
         yield session
-    sys.path.remove(str(site))
+    for entry in added:
+        sys.path.remove(entry)
 
 
 def run_cell(kc: Any, code: str) -> tuple[dict[str, Any], str]:
