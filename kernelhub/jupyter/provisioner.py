@@ -33,6 +33,8 @@ from jupyter_client.manager import AsyncKernelManager
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from traitlets import HasTraits, Unicode
 
+from kernelhub.client._stream import http_error
+from kernelhub.client.errors import GatewayUnreachableError, api_error
 from kernelhub.jupyter.messages import kernel_id as kernel_id_of
 
 BRIDGE_ARGV = [sys.executable, "-m", "kernelhub.jupyter.bridge", "-f", "{connection_file}"]
@@ -51,26 +53,42 @@ class GatewayKernel:
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"token {token}"}
 
-    async def create(self) -> str:
-        async with httpx.AsyncClient(timeout=120) as client:
-            answer = await client.post(
-                f"{self.url}/api/kernels", json={"name": "python3"}, headers=self.headers
+    async def _call(
+        self, method: str, path: str, timeout: float, json: Any = None
+    ) -> httpx.Response:
+        # A kernel that cannot start surfaces in jupyter console or nbclient as this one
+        # exception, so it says which gateway and which knob, not just a status code.
+        try:
+            async with httpx.AsyncClient(timeout=timeout) as client:
+                answer = await client.request(
+                    method, f"{self.url}{path}", json=json, headers=self.headers
+                )
+        except httpx.TransportError as exc:
+            raise GatewayUnreachableError(
+                f"kernelhub gateway {self.url} did not answer {method} {path} ({exc!r}): "
+                f"check the kernelspec's gateway_url or KERNELHUB_URL"
+            ) from exc
+        if answer.is_error and not (method == "DELETE" and answer.status_code == 404):
+            err = http_error(answer.status_code, answer.headers, answer.content)
+            raise api_error(
+                err.status,
+                err.error,
+                f"kernelhub gateway {self.url} refused {method} {path}: {err.message} "
+                "(the token is the provisioner's token, else KERNELHUB_TOKEN; a session to "
+                "attach to is its session_id, else KERNELHUB_SESSION)",
+                err.detail,
             )
-        answer.raise_for_status()
+        return answer
+
+    async def create(self) -> str:
+        answer = await self._call("POST", "/api/kernels", 120, {"name": "python3"})
         return str(answer.json()["id"])
 
     async def check(self, kernel_id: str) -> None:
-        async with httpx.AsyncClient(timeout=30) as client:
-            answer = await client.get(f"{self.url}/api/kernels/{kernel_id}", headers=self.headers)
-        answer.raise_for_status()
+        await self._call("GET", f"/api/kernels/{kernel_id}", 30)
 
     async def delete(self, kernel_id: str) -> None:
-        async with httpx.AsyncClient(timeout=60) as client:
-            answer = await client.delete(
-                f"{self.url}/api/kernels/{kernel_id}", headers=self.headers
-            )
-        if answer.status_code != 404:
-            answer.raise_for_status()
+        await self._call("DELETE", f"/api/kernels/{kernel_id}", 60)
 
 
 class _Target:
@@ -132,6 +150,20 @@ class KernelhubProvisioner(LocalProvisioner, _GatewayOptions):  # type: ignore[m
         await super().cleanup(restart=restart)
         if not restart:
             await self._target.release(self.gateway()[0])
+
+    # A manager that persists its kernels (Enterprise Gateway, say) restores a provisioner
+    # from this: without the gateway kernel, the restored one would make a second session
+    # at its next launch and never delete the first.
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info = dict(await super().get_provisioner_info())
+        info["kernelhub"] = {"kernel_id": self._target.kernel_id, "owned": self._target.owned}
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
+        await super().load_provisioner_info(provisioner_info)
+        saved = provisioner_info.get("kernelhub") or {}
+        self._target.kernel_id = saved.get("kernel_id")
+        self._target.owned = bool(saved.get("owned")) and self._target.kernel_id is not None
 
     @property
     def gateway_kernel_id(self) -> str | None:

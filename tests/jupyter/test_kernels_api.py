@@ -5,17 +5,32 @@ jupyter_client through kernelhub's kernel manager, and one history shared with t
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import tomllib
 import uuid
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import httpx
 import nbformat
 import pytest
 import websockets
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager, start_new_kernel
+from jupyter_client.provisioning import KernelProvisionerFactory
 from nbclient import NotebookClient
 
+from kernelhub.client import errors as client_errors
 from kernelhub.jupyter import messages
-from kernelhub.jupyter.provisioner import KernelhubKernelManager
+from kernelhub.jupyter.provisioner import (
+    PROVISIONER_NAME,
+    KernelhubKernelManager,
+    KernelhubProvisioner,
+)
 from tests.conftest import UNIT
 from tests.gateway.conftest import Gateway
 from tests.jupyter.conftest import (
@@ -235,3 +250,195 @@ async def test_jupyter_client_shares_an_agent_session_and_its_history(gw: Gatewa
     assert "from_jupyter = shared * 2\nfrom_jupyter" in sources  # the Jupyter client's cell
     assert "print('agent saw', from_jupyter)" in sources
     assert sources.index("shared = 21") < sources.index("from_jupyter = shared * 2\nfrom_jupyter")
+
+
+# The provisioner path as a developer takes it: kernelspecs written by
+# ``python -m kernelhub.jupyter.provisioner install``, run by stock jupyter_client, nbclient
+# and ``jupyter console``, which find the provisioner through its entry point.
+PROVISIONERS = "jupyter_client.kernel_provisioners"
+
+
+def provisioner_entry_point(site: Path) -> list[str]:
+    """The sys.path entries that register the provisioner entry point pyproject.toml declares.
+
+    A pip-installed kernelhub (CI) registers it itself: none are needed, and the installed
+    one is what runs. An editable install made before the entry point existed does not, so
+    the declaration is written as a dist-info of its own. Either way the entry point found
+    is pyproject's."""
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    ((name, value),) = project["project"]["entry-points"][PROVISIONERS].items()
+    assert name == PROVISIONER_NAME
+
+    def found() -> set[str]:
+        return {ep.value for ep in entry_points(group=PROVISIONERS, name=name)}
+
+    if found() == {value}:
+        return []
+    dist = site / "kernelhub_provisioner_ep-0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kernelhub-provisioner-ep\n")
+    (dist / "entry_points.txt").write_text(f"[{PROVISIONERS}]\n{name} = {value}\n")
+    sys.path.insert(0, str(site))
+    assert found() == {value}, found()
+    return [str(site)]
+
+
+@pytest.fixture(scope="module")
+def specs(gw: Gateway, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Installs ``kernelhub`` (a new session per kernel, into the user's data dir) and
+    ``kernelhub-attach`` (an agent's session, into a prefix); yields that session."""
+    home = tmp_path_factory.mktemp("jupyter-home")
+    session = asyncio.run(agent_session(gw, gw.alice))  # type: ignore[attr-defined]
+    added = provisioner_entry_point(home / "site")
+    env = {
+        "JUPYTER_DATA_DIR": str(home / "data"),
+        "JUPYTER_PATH": str(home / "prefix" / "share" / "jupyter"),
+        "JUPYTER_CONFIG_DIR": str(home / "config"),
+        "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+        "KERNELHUB_TOKEN": gw.alice,  # type: ignore[attr-defined]
+        "PYTHONPATH": os.pathsep.join(filter(None, [*added, os.environ.get("PYTHONPATH")])),
+    }
+    install = [sys.executable, "-m", "kernelhub.jupyter.provisioner", "install", "--url", gw.url]
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        for extra in (
+            ["--user"],
+            ["--name", "kernelhub-attach", "--session", session, "--prefix", str(home / "prefix")],
+        ):
+            subprocess.run([*install, *extra], check=True, env=os.environ, timeout=60 * UNIT)
+        yield session
+    for entry in added:
+        sys.path.remove(entry)
+
+
+def run_cell(kc: Any, code: str) -> tuple[dict[str, Any], str]:
+    """(execute_reply content, what the cell printed) on a blocking client."""
+    out: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "execute_result":
+            out.append(msg["content"]["data"]["text/plain"])
+
+    answer = kc.execute_interactive(code, timeout=60 * UNIT, output_hook=hook)
+    return answer["content"], "".join(out)
+
+
+def kernel_status(gw: Gateway, kernel: str | None) -> int:
+    headers = auth(gw.alice)  # type: ignore[attr-defined]
+    return httpx.get(f"{gw.url}/api/kernels/{kernel}", headers=headers, timeout=60).status_code
+
+
+def test_stock_jupyter_client_runs_installed_kernelspecs_new_and_attached(
+    gw: Gateway, specs: str
+) -> None:
+    assert {"kernelhub", "kernelhub-attach"} <= set(KernelSpecManager().find_kernel_specs())
+    km, kc = start_new_kernel(kernel_name="kernelhub", startup_timeout=120 * UNIT)
+    try:
+        assert isinstance(km.provisioner, KernelhubProvisioner)
+        kernel = km.provisioner.gateway_kernel_id
+        assert kernel_status(gw, kernel) == 200  # a session of the token's principal
+        answer, out = run_cell(kc, "import os\nprint(os.getuid(), os.path.isdir('/workspace'))")
+        assert answer["status"] == "ok"
+        assert out.split()[0] != "0" and out.split()[1] == "True"  # not root, in the sandbox
+        # The manager's interrupt (a message, as the kernelspec says) stops a running cell.
+        kc.execute("import time\nprint('go', flush=True)\ntime.sleep(60)")
+        while kc.get_iopub_msg(timeout=60 * UNIT)["msg_type"] != "stream":
+            pass
+        km.interrupt_kernel()
+        assert kc.get_shell_msg(timeout=30 * UNIT)["content"]["ename"] == "KeyboardInterrupt"
+        assert run_cell(kc, "os.getpid() > 0")[1] == "True"  # the kernel kept its imports
+        # Its restart is kernelhub's: the same session, a fresh kernel.
+        km.restart_kernel()
+        kc.wait_for_ready(timeout=120 * UNIT)
+        assert km.provisioner.gateway_kernel_id == kernel
+        assert "NameError" in run_cell(kc, "os")[0].get("ename", "")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel()
+    assert kernel_status(gw, kernel) == 404  # made by the provisioner, so deleted with it
+
+    # The attaching kernelspec shares the agent's session: its variables and its record.
+    asyncio.run(agent_run(gw, gw.alice, specs, "agent_value = 7"))  # type: ignore[attr-defined]
+    km = KernelManager(kernel_name="kernelhub-attach")
+    km.start_kernel()
+    kc = km.blocking_client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120 * UNIT)
+        answer, out = run_cell(kc, "jupyter_value = agent_value * 6\njupyter_value")
+        assert (answer["status"], out) == ("ok", "42")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel()
+    done = asyncio.run(agent_run(gw, gw.alice, specs, "jupyter_value"))  # type: ignore[attr-defined]
+    assert done["record"]["status"] == "completed"  # attached, not owned: the session lives on
+    assert kernel_status(gw, messages.kernel_id(specs)) == 200
+
+
+def test_a_refused_kernelspec_says_which_gateway_and_knob(
+    gw: Gateway, specs: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KERNELHUB_TOKEN", "kh_not-a-token")
+    with pytest.raises(client_errors.AuthError) as refused:
+        KernelManager(kernel_name="kernelhub").start_kernel()
+    assert gw.url in str(refused.value) and "KERNELHUB_TOKEN" in str(refused.value)
+    # Another principal's session is not there to attach to, and nothing is launched.
+    monkeypatch.setenv("KERNELHUB_TOKEN", gw.bob)  # type: ignore[attr-defined]
+    km = KernelManager(kernel_name="kernelhub-attach")
+    with pytest.raises(client_errors.NotFoundError) as missing:
+        km.start_kernel()
+    assert "KERNELHUB_SESSION" in str(missing.value) and not km.has_kernel
+
+
+def test_nbclient_runs_a_notebook_by_kernel_name(gw: Gateway, specs: str) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(PLOT), nbformat.v4.new_code_cell("sum(range(10))")]
+    client = NotebookClient(
+        nb, kernel_name="kernelhub", timeout=int(120 * UNIT), startup_timeout=int(120 * UNIT)
+    )
+    client.execute()
+    plot, last = nb.cells
+    assert any("image/png" in o.get("data", {}) for o in plot.outputs)
+    assert last.outputs[0]["data"]["text/plain"] == "45"
+
+
+def test_jupyter_console_runs_a_cell_in_the_attached_session(gw: Gateway, specs: str) -> None:
+    pytest.importorskip("jupyter_console")
+    asyncio.run(agent_run(gw, gw.alice, specs, "for_console = 'seen by console'"))  # type: ignore[attr-defined]
+    # --simple-prompt reads cells from stdin, so a pipe drives it non-interactively.
+    done = subprocess.run(
+        [sys.executable, "-m", "jupyter_console", "--kernel", "kernelhub-attach",
+         "--simple-prompt", "--ZMQTerminalInteractiveShell.kernel_timeout=120"],
+        input="print(for_console.upper())\nexit\n",
+        capture_output=True, text=True, env=os.environ, timeout=180 * UNIT,
+    )  # fmt: skip
+    assert "SEEN BY CONSOLE" in done.stdout, (done.stdout, done.stderr)
+    r = httpx.get(
+        f"{gw.url}/v1/sessions/{specs}/notebook",
+        headers=auth(gw.alice, "Bearer"),  # type: ignore[attr-defined]
+        timeout=60,
+    )
+    sources = [c.source for c in nbformat.reads(r.text, as_version=4).cells]
+    assert "print(for_console.upper())" in sources  # the console's cell is in the record
+
+
+def test_a_restored_provisioner_keeps_its_session_and_deletes_it(gw: Gateway, specs: str) -> None:
+    km, kc = start_new_kernel(kernel_name="kernelhub", startup_timeout=120 * UNIT)
+    kc.stop_channels()
+    assert isinstance(km.provisioner, KernelhubProvisioner)
+    kernel = km.provisioner.gateway_kernel_id
+    info = asyncio.run(km.provisioner.get_provisioner_info())
+    # What a persisting manager does after its own restart: a fresh provisioner, restored.
+    restored = KernelProvisionerFactory.instance().create_provisioner_instance(
+        km.kernel_id, km.kernel_spec, parent=km
+    )
+    assert isinstance(restored, KernelhubProvisioner)
+    asyncio.run(restored.load_provisioner_info(info))
+    assert restored.gateway_kernel_id == kernel
+    km.provisioner, was = restored, km.provisioner
+    km.shutdown_kernel()  # stops the bridge by its saved pid, and the session it made
+    assert was.process is not None and was.process.wait(timeout=30 * UNIT) is not None
+    assert kernel_status(gw, kernel) == 404
