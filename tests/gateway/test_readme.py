@@ -17,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import RUN_INSTANCE, UNIT
@@ -27,10 +28,11 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN_LINE = re.compile(r"created admin token 'admin' \(shown once\): (kh_\S+)")
 NOT_RUN = re.compile(r"<!-- not run: (?P<reason>[^>]*\S[^>]*) -->\n```python\n.*?```", re.S)
-# What the Python examples print when they work: the sum streamed live and printed with
-# the execution's status, the KeyError's plain traceback, the interrupted sleep, the batch.
+# What the Python examples print when they work: the sum streamed live, and again from the
+# session restored from the snapshot; the execution's status, the KeyError's plain
+# traceback, the interrupted sleep, the batch.
 PYTHON_OUTPUT = [
-    r"(?m)^6$",
+    r"(?m)^6$[\s\S]*^6$",
     r"(?m)^[0-9a-f]{32} completed None$",
     r"KeyError: 'missing'",
     r"(?m)^interrupted$",
@@ -153,6 +155,13 @@ def test_the_readme_commands_work_in_a_fresh_clone(tmp_path: Path) -> None:
         sdk_env = {**env, "KERNELHUB_URL": f"http://127.0.0.1:{port}"}
         sdk_env["KERNELHUB_TOKEN"] = found.group(1)
         run_python_blocks(readme, clone / ".venv" / "bin" / "python", work, sdk_env)
+        # ... and the examples clean up after themselves: a reader can run them again.
+        left = httpx.get(
+            f"{sdk_env['KERNELHUB_URL']}/v1/sessions",
+            headers={"Authorization": f"Bearer {found.group(1)}"},
+            timeout=30,
+        )
+        assert left.json() == {"sessions": []}, left.text
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
         try:
