@@ -1,6 +1,9 @@
 """The README's first two commands, run literally in a fresh clone with a fresh virtual
-environment, then its command-line examples as written: the README cannot drift from the
-code. The serve command runs against the real Docker daemon with the already-built image.
+environment, then its command-line examples and every ```python block as written: the
+README cannot drift from the code. The serve command runs against the real Docker daemon
+with the already-built image. A ```python block that is not meant to run (a fragment, or
+one needing packages kernelhub does not install) says so right above itself with
+``<!-- not run: REASON -->``.
 
 Slow by nature (a venv and two pip installs, from pip's cache): about two minutes.
 """
@@ -14,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import RUN_INSTANCE, UNIT
@@ -23,6 +27,17 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN_LINE = re.compile(r"created admin token 'admin' \(shown once\): (kh_\S+)")
+NOT_RUN = re.compile(r"<!-- not run: (?P<reason>[^>]*\S[^>]*) -->\n```python\n.*?```", re.S)
+# What the Python examples print when they work: the sum streamed live, and again from the
+# session restored from the snapshot; the execution's status, the KeyError's plain
+# traceback, the interrupted sleep, the batch.
+PYTHON_OUTPUT = [
+    r"(?m)^6$[\s\S]*^6$",
+    r"(?m)^[0-9a-f]{32} completed None$",
+    r"KeyError: 'missing'",
+    r"(?m)^interrupted$",
+    r"\{'completed': 11\}",
+]
 
 
 def bash_blocks(readme: str, heading: str) -> list[str]:
@@ -33,6 +48,38 @@ def bash_blocks(readme: str, heading: str) -> list[str]:
         "\n".join(line.split("  #", 1)[0].rstrip() for line in block.splitlines() if line.strip())
         for block in blocks
     ]
+
+
+def python_blocks(readme: str) -> list[str]:
+    """Every ```python block of the README, in order, except those marked not to run."""
+    runnable = NOT_RUN.sub("", readme)
+    return re.findall(r"```python\n(.*?)```", runnable, flags=re.S)
+
+
+def run_python_blocks(readme: str, python: Path, cwd: Path, env: dict[str, str]) -> str:
+    """Run each runnable ```python block as its own script, as a reader pastes it into a
+    file; ``env`` carries KERNELHUB_URL and KERNELHUB_TOKEN, which the README has ``Hub()``
+    read. Returns what they printed, together."""
+    blocks = python_blocks(readme)
+    skipped = NOT_RUN.findall(readme)
+    assert len(blocks) >= 2 and len(skipped) <= 1, (len(blocks), skipped)
+    printed = []
+    for n, block in enumerate(blocks):
+        script = cwd / f"readme_{n}.py"
+        script.write_text(block)
+        ran = subprocess.run(
+            [str(python), script.name], cwd=cwd, env=env, capture_output=True, text=True,
+            timeout=300 * UNIT,
+        )  # fmt: skip
+        # stderr too: an exception in the example's interrupt timer thread only prints there.
+        assert ran.returncode == 0 and "Traceback" not in ran.stderr, (
+            f"README python block {n}:\n{block}\n{ran.stdout}{ran.stderr}"
+        )
+        printed.append(ran.stdout)
+    out = "".join(printed)
+    missing = [pattern for pattern in PYTHON_OUTPUT if not re.search(pattern, out)]
+    assert not missing and "\x1b[" not in out, (missing, out)
+    return out
 
 
 def clean_env(tmp: Path, port: int) -> dict[str, str]:
@@ -103,6 +150,18 @@ def test_the_readme_commands_work_in_a_fresh_clone(tmp_path: Path) -> None:
         assert examples.returncode == 0, examples.stdout + examples.stderr
         assert "42\n" in examples.stdout and "Traceback" not in examples.stderr
         assert any(work.glob("*.ipynb"))
+
+        # The Python examples, as written, against the same gateway and token.
+        sdk_env = {**env, "KERNELHUB_URL": f"http://127.0.0.1:{port}"}
+        sdk_env["KERNELHUB_TOKEN"] = found.group(1)
+        run_python_blocks(readme, clone / ".venv" / "bin" / "python", work, sdk_env)
+        # ... and the examples clean up after themselves: a reader can run them again.
+        left = httpx.get(
+            f"{sdk_env['KERNELHUB_URL']}/v1/sessions",
+            headers={"Authorization": f"Bearer {found.group(1)}"},
+            timeout=30,
+        )
+        assert left.json() == {"sessions": []}, left.text
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
         try:
