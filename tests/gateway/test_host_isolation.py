@@ -141,7 +141,9 @@ async def test_an_oom_killed_session_releases_everything_at_once_and_can_be_dele
     # DELETE works on it, once.
     sid2 = await new_session(http, token)
     assert (await http.delete(f"/v1/sessions/{sid}", headers=auth(token))).status_code == 204
-    assert (await http.delete(f"/v1/sessions/{sid}", headers=auth(token))).status_code == 404
+    assert (
+        await http.delete(f"/v1/sessions/{sid}", headers=auth(token))
+    ).status_code == 410  # gone: it was yours
     # And `sessions rm` on one that was dead already when the gateway (re)started.
     gateway.kill9()
     for c in containers_of(sid2):  # it dies while no gateway watches
@@ -157,8 +159,8 @@ async def test_an_oom_killed_session_releases_everything_at_once_and_can_be_dele
         env=env, capture_output=True, text=True, timeout=60 * UNIT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    info = (await http.get(f"/v1/sessions/{sid2}", headers=auth(token))).json()
-    assert info["state"] == "deleted", info
+    gone = await http.get(f"/v1/sessions/{sid2}", headers=auth(token))
+    assert gone.status_code == 410 and gone.json()["error"] == "session_ended", gone.text
 
 
 async def test_dead_sessions_count_against_the_principal_quota(tmp_path: Path) -> None:
