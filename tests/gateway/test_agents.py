@@ -25,7 +25,7 @@ from kernelhub.agents.example_loop import ScriptedModel, agent_loop
 from kernelhub.agents.tools import ToolRunner
 from kernelhub.client import AsyncHub, AsyncSession
 from tests.conftest import UNIT, eventually
-from tests.gateway.conftest import Gateway, free_port
+from tests.gateway.conftest import Gateway, mcp_http_server
 
 pytestmark = pytest.mark.docker
 
@@ -190,26 +190,7 @@ async def test_mcp_streamable_http_runs_as_the_callers_token(
     # The server gets no token of its own: tools can only run as the client's principal.
     env = {k: v for k, v in mcp_env.items() if k != "KERNELHUB_TOKEN"}
     token = mcp_env["KERNELHUB_TOKEN"]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/mcp"
-    log = tmp_path / "mcp-http.log"
-    with log.open("wb") as sink:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kernelhub.agents.mcp_server", "--transport", "http",
-            "--port", str(port), env=env, stdout=sink, stderr=sink,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30 * UNIT
-        while True:
-            assert proc.returncode is None, log.read_text()
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                await writer.wait_closed()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"no MCP HTTP server: {log.read_text()}"
-                await asyncio.sleep(0.05)
+    async with mcp_http_server(env, tmp_path / "mcp-http.log") as url:
         initialize = {
             "jsonrpc": "2.0", "id": 1, "method": "initialize",
             "params": {"protocolVersion": "2025-06-18", "capabilities": {},
@@ -229,7 +210,3 @@ async def test_mcp_streamable_http_runs_as_the_callers_token(
             await _exercise(streamable_http_client(url, http_client=authed))
         async with AsyncHub(gateway.url, token) as hub:
             await _no_sessions_left(hub)
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-        await asyncio.wait_for(proc.wait(), 30 * UNIT)
