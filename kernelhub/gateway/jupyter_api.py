@@ -57,14 +57,13 @@ async def jupyter_principal(
 ) -> Principal:
     token = jupyter_token(request.headers.get("authorization"), request.query_params.get("token"))
     try:
-        return require_unscoped(
-            await authenticate(request.app.state.store, token), "Jupyter kernels API"
-        )
+        caller = await authenticate(request.app.state.store, token)
     except AuthError as exc:
         raise AuthError(
             f"{exc}; Jupyter clients send `Authorization: token <t>` "
             "(GatewayClient.auth_token) or `?token=<t>`"
         ) from exc
+    return require_unscoped(caller, "Jupyter kernels API")
 
 
 Caller = Annotated[Principal, Depends(jupyter_principal)]
