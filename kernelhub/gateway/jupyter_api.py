@@ -21,13 +21,13 @@ from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, Field
 
 from kernelhub import __version__
-from kernelhub.errors import AuthError, NotFoundError, SessionClosedError, SessionError
+from kernelhub.errors import AuthError, NotFoundError, SessionClosedError
 from kernelhub.gateway.auth import _SCHEME as BEARER_SCHEME
 from kernelhub.gateway.auth import authenticate, client_address, require_unscoped
 from kernelhub.gateway.routes import BODY, refusals
 from kernelhub.jupyter import messages
 from kernelhub.session.manager import LiveSession, SessionManager
-from kernelhub.store.sqlite import AuditEntry, Principal
+from kernelhub.store.sqlite import Principal
 from kernelhub.wire import LimitsIn, SessionCreate, SessionInfo, SessionState
 
 router = APIRouter()
@@ -140,26 +140,10 @@ def _from_epoch(seconds: float) -> Any:
 async def restart(
     app: Any, principal: Principal, live: LiveSession, client: str | None = None
 ) -> None:
-    """Jupyter's restart: a fresh kernel process in the same sandbox (variables gone,
-    files kept), in turn with the cells queued before it; audited as ``session.restart``."""
-    kernel = live.kernel
-    if kernel is None or not kernel.alive:
-        raise SessionError(
-            f"session {live.id} has no running kernel to restart ({live.state.value}); "
-            "run a cell to wake it, or create a new kernel"
-        )
-    t0 = time.monotonic()
-    await kernel.exclusive(kernel.restart)
+    """Jupyter's restart is the session's restart (a fresh kernel in the same sandbox,
+    variables gone, files kept, in turn, audited as ``session.restart``)."""
     manager: SessionManager = app.state.manager
-    await manager.store.audit(
-        AuditEntry(
-            principal=principal.name,
-            action="session.restart",
-            session_id=live.id,
-            client=client,
-            duration=time.monotonic() - t0,
-        )
-    )
+    await manager.restart(principal, live.id, client)
     state_of(app).touch(live.id)
 
 
