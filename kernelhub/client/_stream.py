@@ -32,6 +32,7 @@ from kernelhub.client.errors import (
     StreamLostError,
     api_error,
 )
+from kernelhub.replay import Replay, Verdict
 from kernelhub.wire import (
     PROTOCOL_VERSION,
     AcceptedFrame,
@@ -137,7 +138,7 @@ class EventStream:
     def __init__(self, hub: StreamHost, session_id: str, since: int) -> None:
         self.hub = hub
         self.session_id = session_id
-        self.last_seq = since
+        self.replay = Replay(since, live=True)  # the gateway replays after each `since`
         self.first_hello_seq = since
         self._ws: ClientConnection | None = None
         self.ever_connected = False
@@ -146,6 +147,11 @@ class EventStream:
         self._failures = 0
         self._connected_at = 0.0
         self._last_error: BaseException | None = None
+
+    @property
+    def last_seq(self) -> int:
+        """The newest event returned: the ``since`` of the next connection."""
+        return self.replay.last
 
     async def __aenter__(self) -> Self:
         return self
@@ -191,9 +197,8 @@ class EventStream:
                 continue
             frame = self._parse(raw)
             if isinstance(frame, EventFrame):
-                if frame.event.seq <= self.last_seq:
+                if self.replay.live(frame.event.seq) is not Verdict.DELIVER:
                     continue  # a replayed duplicate
-                self.last_seq = frame.event.seq
                 self._failures = 0
                 return frame
             if isinstance(frame, HelloFrame):
@@ -287,7 +292,7 @@ class EventStream:
                 f"the gateway speaks protocol {hello.protocol}, this SDK speaks "
                 f"{PROTOCOL_VERSION}; install the kernelhub version that matches the gateway"
             )
-        elif hello.last_seq < self.last_seq:
+        elif self.replay.lost(hello.last_seq):
             problem = (
                 f"the gateway's last seq is {hello.last_seq} but this client already saw "
                 f"seq {self.last_seq}; the gateway lost events (was its store reset?)"
