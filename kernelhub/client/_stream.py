@@ -247,16 +247,18 @@ class EventStream:
             elif self._failures > 1:
                 await asyncio.sleep(backoff(self._failures - 1))
             try:
-                await self._connect()
-                return
-            except _Retry as exc:
-                self._last_error = exc.error
+                refused = await self._connect()
             except (OSError, TimeoutError, WebSocketException) as exc:
                 self._last_error = exc
+                continue
+            if refused is None:
+                return
+            self._last_error = refused
 
-    async def _connect(self) -> None:
-        """One attempt. Raises :class:`_Retry`, ``OSError``, ``TimeoutError`` or a websockets
-        error when another attempt may help; any other exception ends the stream."""
+    async def _connect(self) -> ApiError | None:
+        """One attempt: None once connected; a refusal worth another attempt (429,
+        502-504) is returned. ``OSError``, ``TimeoutError`` or a websockets error: another
+        attempt may help; any other exception ends the stream."""
         url = self.hub.ws_url(self.session_id, self.last_seq)
         try:
             ws = await connect(
@@ -270,7 +272,8 @@ class EventStream:
             response = exc.response
             error = http_error(response.status_code, response.headers, bytes(response.body))
             if error.status in (429, 502, 503, 504):
-                raise _Retry(error) from exc
+                error.__cause__ = exc
+                return error
             raise error from exc
         try:
             async with asyncio.timeout(self.hub.timeout):
@@ -310,11 +313,4 @@ class EventStream:
         self._outbox.clear()
         for frame in pending:
             await self.send(frame)
-
-
-class _Retry(Exception):
-    """A refused handshake worth another attempt (429, 502-504)."""
-
-    def __init__(self, error: ApiError) -> None:
-        super().__init__(str(error))
-        self.error = error
+        return None

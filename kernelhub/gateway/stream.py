@@ -24,7 +24,7 @@ from kernelhub.errors import (
 )
 from kernelhub.gateway.auth import authenticate, check_scope, client_address, websocket_token
 from kernelhub.gateway.connections import StreamRegistry
-from kernelhub.gateway.errors import response_for, status_for
+from kernelhub.gateway.errors import close_code_for, response_for, status_for
 from kernelhub.gateway.ws_protocol import (
     FLUSH_NOW,
     RECEIVE_TEXT_NOW,
@@ -218,15 +218,15 @@ class SharedFrames:
 
 
 def _refusal(exc: Exception) -> tuple[int, str]:
-    if isinstance(exc, AuthError):
-        return CloseCode.UNAUTHORIZED, str(exc)[:120]
-    if isinstance(exc, QuotaError):
-        return CloseCode.POLICY, str(exc)[:120]
+    if not isinstance(exc, KernelhubError):
+        return CloseCode.POLICY, "since must be a non-negative integer"
     if isinstance(exc, NotFoundError):
-        return CloseCode.NOT_FOUND, "no such session (or not yours)"
-    if isinstance(exc, SessionClosedError):
-        return CloseCode.SESSION_ENDED, "the session has ended; create a new session"
-    return CloseCode.POLICY, "since must be a non-negative integer"
+        reason = "no such session (or not yours)"
+    elif isinstance(exc, SessionClosedError):
+        reason = "the session has ended; create a new session"
+    else:
+        reason = str(exc)[:120]
+    return close_code_for(exc), reason
 
 
 async def _send_events(
