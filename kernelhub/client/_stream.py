@@ -67,7 +67,13 @@ class StreamHost(Protocol):
 
 
 def backoff(attempt: int) -> float:
-    """Seconds before retry ``attempt`` (1-based): 0.25, 0.5, 1, 2, 4, 4 ... with jitter."""
+    """Seconds before retry ``attempt`` (1-based): 0.25, 0.5, 1, 2, 4, 4 ... with jitter.
+
+    Not a retry library (tenacity, backoff; considered, issue #18): what to retry (which
+    statuses, ``Retry-After``, whether a request is safe to replay) is the SDK's own
+    decision in ``AsyncHub._request`` and :meth:`EventStream._reconnect`; only this line
+    of arithmetic would be shared, and the SDK's base install stays pydantic, httpx and
+    websockets."""
     return min(0.25 * 2.0 ** (attempt - 1), 4.0) * random.uniform(0.5, 1.0)
 
 
