@@ -22,11 +22,20 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     │   └── ForbiddenError       not allowed from here (a browser origin off the allowlist)
     ├── QuotaError               too many sessions, queued cells or bytes; retry later
     │   └── StorageFullError     a principal's storage quota is used up, or the disk is low
-    └── InvalidRequestError      a request the gateway understood but cannot honour
-        ├── TooLargeError        a body or file over its size limit
-        └── MediaTypeError       a body that is not the JSON the route takes
+    ├── InvalidRequestError      a request the gateway understood but cannot honour
+    │   ├── TooLargeError        a body or file over its size limit
+    │   ├── MediaTypeError       a body that is not the JSON the route takes
+    │   ├── FrameError           a Jupyter client's frame that is not a Jupyter message
+    │   └── UsageError           the command line itself is wrong (the CLI exits with 2)
+    ├── StoreError               the store refused (it names the conflict)  [store/sqlite.py]
+    ├── AwaitingInput            not a failure: an MCP call returns while its cell waits
+    │                            for input, answered by `answer_input`  [agents/mcp_kernels.py]
+    └── ClientError              the SDK's own tree  [client/errors.py]
 
-The gateway maps these to HTTP in one table (``gateway/errors.py``).
+The gateway maps every one of these to one HTTP status and one error kind (the ``error``
+of a JSON body and of a WebSocket ``error`` frame) in one table (``gateway/errors.py``);
+``tests/unit/test_errors.py`` walks every subclass to prove it, and that the SDK reads
+each kind back as one class.
 """
 
 from __future__ import annotations
@@ -137,3 +146,12 @@ class TooLargeError(InvalidRequestError):
 
 class MediaTypeError(InvalidRequestError):
     """The body is not ``application/json`` (a form, text, or no Content-Type at all)."""
+
+
+class FrameError(InvalidRequestError):
+    """A Jupyter client's WebSocket frame that is not a Jupyter message (answered by
+    dropping it, as Jupyter Server does)."""
+
+
+class UsageError(InvalidRequestError):
+    """The command line itself is wrong (printed as is, exit status 2)."""

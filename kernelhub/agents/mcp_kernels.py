@@ -24,6 +24,7 @@ from kernelhub.agents.mcp_live import LiveOutput
 from kernelhub.agents.tools import ToolRunner
 from kernelhub.client import AsyncHub, AsyncSession, FileInfo
 from kernelhub.client.errors import ApiError, NotFoundError, SessionEndedError
+from kernelhub.errors import KernelhubError
 from kernelhub.models import Event, Execution, ExecutionStatus, InputRequestEvent
 from kernelhub.wire import SessionState, SnapshotInfo
 
@@ -45,9 +46,10 @@ _UNSETTLED = (SessionState.STARTING, SessionState.BUSY)
 InputAnswerer = Callable[[str], Awaitable[str]]
 
 
-class AwaitingInput(Exception):
-    """The cell asks for input and the client cannot be asked (no elicitation): the call
-    returns, the cell keeps waiting, and ``answer_input`` answers it."""
+class AwaitingInput(KernelhubError):
+    """Not a failure: the cell asks for input and the client cannot be asked (no
+    elicitation), so the call returns, the cell keeps waiting, and ``answer_input``
+    answers it. In the one tree so that nothing of kernelhub's raises outside it."""
 
     def __init__(self, execution_id: str, prompt: str, seq: int, output: str) -> None:
         super().__init__(execution_id, prompt)

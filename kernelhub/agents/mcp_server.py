@@ -82,12 +82,8 @@ from kernelhub.agents.mcp_tools import (
     tool_result,
     waiting_result,
 )
-from kernelhub.agents.tools import (
-    DEFAULT_MAX_CHARS,
-    TOOLS,
-    ToolResult,
-    render_execution,
-)
+from kernelhub.agents.results import DEFAULT_MAX_CHARS, ToolResult, render_execution
+from kernelhub.agents.tools import TOOLS
 from kernelhub.client import AsyncHub, SessionEndedError
 from kernelhub.errors import KernelhubError
 from kernelhub.models import FinalEvent, InputRequestEvent

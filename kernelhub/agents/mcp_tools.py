@@ -10,7 +10,8 @@ import mcp_types as types
 from pydantic import BaseModel, ConfigDict, Field
 
 from kernelhub.agents.mcp_kernels import AwaitingInput
-from kernelhub.agents.tools import TOOLS, ToolResult, truncate
+from kernelhub.agents.results import ToolResult, truncate
+from kernelhub.agents.tools import TOOLS
 
 __all__ = [
     "ANSWER_INPUT",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernelhub import __version__
-from kernelhub.errors import KernelhubError
+from kernelhub.errors import KernelhubError, UsageError
 
 if TYPE_CHECKING:
     from kernelhub.cli.output import Console
@@ -318,8 +318,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args, console)
     except KernelhubError as exc:
-        from kernelhub.cli.remote import UsageError
-
         message = describe_error(exc, args.url) if hasattr(args, "url") else str(exc)
         console.say(f"kernelhub: {message}", err=True)
         return 2 if isinstance(exc, UsageError) else 1

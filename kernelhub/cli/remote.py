@@ -18,14 +18,10 @@ from kernelhub.cli.output import (
     sessions_table,
     to_json,
 )
-from kernelhub.errors import KernelhubError
+from kernelhub.errors import KernelhubError, UsageError
 
 if TYPE_CHECKING:
     from kernelhub.client import Hub
-
-
-class UsageError(KernelhubError):
-    """The command line itself is wrong (printed as is, exit status 2)."""
 
 
 def _hub(args: argparse.Namespace) -> Hub:

@@ -32,6 +32,7 @@ from kernelhub.client.errors import (
     StreamLostError,
     api_error,
 )
+from kernelhub.replay import Replay, Verdict
 from kernelhub.wire import (
     PROTOCOL_VERSION,
     AcceptedFrame,
@@ -66,7 +67,13 @@ class StreamHost(Protocol):
 
 
 def backoff(attempt: int) -> float:
-    """Seconds before retry ``attempt`` (1-based): 0.25, 0.5, 1, 2, 4, 4 ... with jitter."""
+    """Seconds before retry ``attempt`` (1-based): 0.25, 0.5, 1, 2, 4, 4 ... with jitter.
+
+    Not a retry library (tenacity, backoff; considered, issue #18): what to retry (which
+    statuses, ``Retry-After``, whether a request is safe to replay) is the SDK's own
+    decision in ``AsyncHub._request`` and :meth:`EventStream._reconnect`; only this line
+    of arithmetic would be shared, and the SDK's base install stays pydantic, httpx and
+    websockets."""
     return min(0.25 * 2.0 ** (attempt - 1), 4.0) * random.uniform(0.5, 1.0)
 
 
@@ -137,7 +144,7 @@ class EventStream:
     def __init__(self, hub: StreamHost, session_id: str, since: int) -> None:
         self.hub = hub
         self.session_id = session_id
-        self.last_seq = since
+        self.replay = Replay(since, live=True)  # the gateway replays after each `since`
         self.first_hello_seq = since
         self._ws: ClientConnection | None = None
         self.ever_connected = False
@@ -146,6 +153,11 @@ class EventStream:
         self._failures = 0
         self._connected_at = 0.0
         self._last_error: BaseException | None = None
+
+    @property
+    def last_seq(self) -> int:
+        """The newest event returned: the ``since`` of the next connection."""
+        return self.replay.last
 
     async def __aenter__(self) -> Self:
         return self
@@ -191,9 +203,8 @@ class EventStream:
                 continue
             frame = self._parse(raw)
             if isinstance(frame, EventFrame):
-                if frame.event.seq <= self.last_seq:
+                if self.replay.live(frame.event.seq) is not Verdict.DELIVER:
                     continue  # a replayed duplicate
-                self.last_seq = frame.event.seq
                 self._failures = 0
                 return frame
             if isinstance(frame, HelloFrame):
@@ -242,16 +253,18 @@ class EventStream:
             elif self._failures > 1:
                 await asyncio.sleep(backoff(self._failures - 1))
             try:
-                await self._connect()
-                return
-            except _Retry as exc:
-                self._last_error = exc.error
+                refused = await self._connect()
             except (OSError, TimeoutError, WebSocketException) as exc:
                 self._last_error = exc
+                continue
+            if refused is None:
+                return
+            self._last_error = refused
 
-    async def _connect(self) -> None:
-        """One attempt. Raises :class:`_Retry`, ``OSError``, ``TimeoutError`` or a websockets
-        error when another attempt may help; any other exception ends the stream."""
+    async def _connect(self) -> ApiError | None:
+        """One attempt: None once connected; a refusal worth another attempt (429,
+        502-504) is returned. ``OSError``, ``TimeoutError`` or a websockets error: another
+        attempt may help; any other exception ends the stream."""
         url = self.hub.ws_url(self.session_id, self.last_seq)
         try:
             ws = await connect(
@@ -265,7 +278,8 @@ class EventStream:
             response = exc.response
             error = http_error(response.status_code, response.headers, bytes(response.body))
             if error.status in (429, 502, 503, 504):
-                raise _Retry(error) from exc
+                error.__cause__ = exc
+                return error
             raise error from exc
         try:
             async with asyncio.timeout(self.hub.timeout):
@@ -287,7 +301,7 @@ class EventStream:
                 f"the gateway speaks protocol {hello.protocol}, this SDK speaks "
                 f"{PROTOCOL_VERSION}; install the kernelhub version that matches the gateway"
             )
-        elif hello.last_seq < self.last_seq:
+        elif self.replay.lost(hello.last_seq):
             problem = (
                 f"the gateway's last seq is {hello.last_seq} but this client already saw "
                 f"seq {self.last_seq}; the gateway lost events (was its store reset?)"
@@ -305,11 +319,4 @@ class EventStream:
         self._outbox.clear()
         for frame in pending:
             await self.send(frame)
-
-
-class _Retry(Exception):
-    """A refused handshake worth another attempt (429, 502-504)."""
-
-    def __init__(self, error: ApiError) -> None:
-        super().__init__(str(error))
-        self.error = error
+        return None

@@ -42,7 +42,14 @@ _END = object()
 
 class _Portal:
     """An event loop on its own thread, and the one way to run coroutines on it.
-    ``last_words`` runs on the loop once it is stopped, before it closes."""
+    ``last_words`` runs on the loop once it is stopped, before it closes.
+
+    Not anyio's ``BlockingPortal`` (considered, issue #18): it is a context manager whose
+    exit joins its thread, and a Hub's lifetime is not a block: its finalizer runs where
+    the last reference drops, which may be the portal's own thread (a callback dropping
+    the Hub), where joining is impossible. And what this class is mostly for, relaying
+    callbacks back to the calling thread, it does not offer; it would sit on top anyway.
+    """
 
     def __init__(self, last_words: Callable[[], Awaitable[None]] | None = None) -> None:
         self._loop = asyncio.new_event_loop()

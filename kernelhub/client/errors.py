@@ -6,9 +6,11 @@ refused a request, could not be reached, or broke the protocol.
     KernelhubError
     └── ClientError                 the SDK could not do what was asked
         ├── ApiError                the gateway said no: status, error (kind), message, detail
-        │   ├── InvalidRequestError 400 / 415 / 422, close 1008: fix the request
-        │   │   └── TooLargeError   413: a body or file over its limit
-        │   ├── AuthError           401 / 403, close 4401: check the token
+        │   ├── InvalidRequestError 400 / 422, close 1008: fix the request
+        │   │   ├── TooLargeError   413: a body or file over its limit
+        │   │   └── MediaTypeError  415: a body that is not JSON
+        │   ├── AuthError           401, close 4401: check the token
+        │   │   └── ForbiddenError  403: not an admin, or not allowed from here
         │   ├── NotFoundError       404, close 4404: no such id, or not yours
         │   ├── ConflictError       409: the session or execution is in the wrong state
         │   │   └── SessionEndedError  410, close 4410: the session is gone for good
@@ -21,7 +23,8 @@ refused a request, could not be reached, or broke the protocol.
 
 Where the server has the same notion, the client class also derives from it, so
 ``except kernelhub.errors.NotFoundError`` catches both: :class:`InvalidRequestError`,
-:class:`TooLargeError`, :class:`AuthError`, :class:`NotFoundError`,
+:class:`TooLargeError`, :class:`MediaTypeError`, :class:`AuthError`,
+:class:`ForbiddenError`, :class:`NotFoundError`,
 :class:`ConflictError` (``SessionError``) and :class:`SessionEndedError`
 (``SessionClosedError``). :class:`RateLimitedError` does not derive from ``QuotaError``,
 whose ``retry_after`` is always known.
@@ -64,12 +67,20 @@ class TooLargeError(InvalidRequestError, core.TooLargeError):
     hint = "send less: the message names the limit and the setting that raises it"
 
 
+class MediaTypeError(InvalidRequestError, core.MediaTypeError):
+    hint = "send the body as application/json"
+
+
 class AuthError(ApiError, core.AuthError):
     hint = "check the token given to Hub(token=...): it is missing, wrong, revoked, or lacks this permission"
 
     def __init__(self, status: int | None, error: str, message: str, detail: Any = None) -> None:
         super().__init__(status, error, message, detail)
-        self.admin_required = status == 403
+        self.admin_required = status == 403 or error == "forbidden"
+
+
+class ForbiddenError(AuthError, core.ForbiddenError):
+    hint = "this token may not do this (an admin route, a scoped token) or not from here (origin)"
 
 
 class NotFoundError(ApiError, core.NotFoundError):
@@ -138,12 +149,12 @@ class ProtocolError(ClientError):
 _BY_STATUS: dict[int, type[ApiError]] = {
     400: InvalidRequestError,
     401: AuthError,
-    403: AuthError,
+    403: ForbiddenError,
     404: NotFoundError,
     409: ConflictError,
     410: SessionEndedError,
     413: TooLargeError,
-    415: InvalidRequestError,
+    415: MediaTypeError,
     422: InvalidRequestError,
     429: RateLimitedError,
     507: StorageFullError,
@@ -155,9 +166,9 @@ _BY_KIND: dict[str, type[ApiError]] = {
     "invalid_request": InvalidRequestError,
     "invalid_frame": InvalidRequestError,
     "too_large": TooLargeError,
-    "unsupported_media_type": InvalidRequestError,
+    "unsupported_media_type": MediaTypeError,
     "unauthorized": AuthError,
-    "forbidden": AuthError,
+    "forbidden": ForbiddenError,
     "not_found": NotFoundError,
     "conflict": ConflictError,
     "session_ended": SessionEndedError,

@@ -1,8 +1,11 @@
 """The one table from kernelhub's exceptions to HTTP answers.
 
-Handlers deep in the stack raise kernelhub errors; only this module knows HTTP. Anything
+Handlers deep in the stack raise kernelhub errors; only this module knows HTTP. Each class
+gets one status and one error kind (the ``error`` of the JSON body, and of a WebSocket
+``error`` frame); a refused WebSocket gets the close code of that status. Anything
 unexpected becomes a 500 with a generic message (the traceback goes to the log, never to
-the client).
+the client). ``tests/unit/test_errors.py`` proves every class of the tree maps to exactly
+one row, and that the SDK reads each kind back as one class.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kernelhub.errors import (
     TooLargeError,
 )
 from kernelhub.store.sqlite import StoreError
+from kernelhub.wire import CloseCode
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +60,32 @@ STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
 ]
 
 
-def status_for(exc: KernelhubError) -> tuple[int, str]:
-    for cls, status, code in STATUS_TABLE:
-        if isinstance(exc, cls):
-            if isinstance(exc, AuthError) and exc.admin_required:
-                return 403, "forbidden"
+# A WebSocket refused after its handshake: the close code for the status (docs/protocol.md).
+CLOSE_CODE_FOR_STATUS: dict[int, int] = {
+    401: CloseCode.UNAUTHORIZED,
+    403: CloseCode.UNAUTHORIZED,
+    404: CloseCode.NOT_FOUND,
+    410: CloseCode.SESSION_ENDED,
+}
+
+
+def row_for(cls: type[KernelhubError]) -> tuple[int, str]:
+    """The status and error kind of ``cls``: its first row in the table."""
+    for row, status, code in STATUS_TABLE:
+        if issubclass(cls, row):
             return status, code
     return 500, "internal"
+
+
+def status_for(exc: KernelhubError) -> tuple[int, str]:
+    if isinstance(exc, AuthError) and exc.admin_required:
+        return 403, "forbidden"
+    return row_for(type(exc))
+
+
+def close_code_for(exc: KernelhubError) -> int:
+    """The close code of a WebSocket refused with ``exc`` (1008 where no code is closer)."""
+    return CLOSE_CODE_FOR_STATUS.get(status_for(exc)[0], CloseCode.POLICY)
 
 
 def error_response(

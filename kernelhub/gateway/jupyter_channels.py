@@ -23,12 +23,12 @@ from typing import Any
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
-from kernelhub.errors import AuthError, KernelhubError, NotFoundError
+from kernelhub.errors import AuthError, FrameError, KernelhubError, NotFoundError
 from kernelhub.gateway.auth import authenticate, client_address, require_unscoped
 from kernelhub.gateway.errors import status_for
 from kernelhub.gateway.jupyter_api import jupyter_token, resolve, restart, state_of
 from kernelhub.jupyter import messages
-from kernelhub.jupyter.messages import FrameError, Message, Origin, Translator
+from kernelhub.jupyter.messages import Message, Origin, Translator
 from kernelhub.models import ExecutionStatus
 from kernelhub.session.manager import LiveSession, SessionManager
 from kernelhub.store.sqlite import Principal

@@ -24,7 +24,7 @@ from kernelhub.errors import (
 )
 from kernelhub.gateway.auth import authenticate, check_scope, client_address, websocket_token
 from kernelhub.gateway.connections import StreamRegistry
-from kernelhub.gateway.errors import response_for, status_for
+from kernelhub.gateway.errors import close_code_for, response_for, status_for
 from kernelhub.gateway.ws_protocol import (
     FLUSH_NOW,
     RECEIVE_TEXT_NOW,
@@ -32,6 +32,7 @@ from kernelhub.gateway.ws_protocol import (
     SEND_TEXT_NOW,
 )
 from kernelhub.models import QUIET_EVENT_TYPES
+from kernelhub.replay import Replay, Verdict
 from kernelhub.session.fanout import Published, Subscriber
 from kernelhub.session.manager import LiveSession, SessionManager
 from kernelhub.store.sqlite import Principal
@@ -217,15 +218,15 @@ class SharedFrames:
 
 
 def _refusal(exc: Exception) -> tuple[int, str]:
-    if isinstance(exc, AuthError):
-        return CloseCode.UNAUTHORIZED, str(exc)[:120]
-    if isinstance(exc, QuotaError):
-        return CloseCode.POLICY, str(exc)[:120]
+    if not isinstance(exc, KernelhubError):
+        return CloseCode.POLICY, "since must be a non-negative integer"
     if isinstance(exc, NotFoundError):
-        return CloseCode.NOT_FOUND, "no such session (or not yours)"
-    if isinstance(exc, SessionClosedError):
-        return CloseCode.SESSION_ENDED, "the session has ended; create a new session"
-    return CloseCode.POLICY, "since must be a non-negative integer"
+        reason = "no such session (or not yours)"
+    elif isinstance(exc, SessionClosedError):
+        reason = "the session has ended; create a new session"
+    else:
+        reason = str(exc)[:120]
+    return close_code_for(exc), reason
 
 
 async def _send_events(
@@ -249,8 +250,7 @@ async def _send_events(
     """
     stall = manager.settings.gateway.stream_stall_timeout
     window = manager.settings.gateway.coalesce_window
-
-    last = since  # the newest event sent
+    replay = Replay(since)  # what was sent, and whether the store or the fan-out is next
     quiet = False  # the newest event sent directly may wait for company (QUIET_EVENT_TYPES)
 
     async def send(text: str) -> None:
@@ -259,12 +259,13 @@ async def _send_events(
             await sender.send(text)
 
     def deliver(item: Published) -> bool:
-        nonlocal last, quiet
-        if item.seq <= last:
+        nonlocal quiet
+        verdict = replay.judge(item.seq, item.prev)
+        if verdict is Verdict.DUPLICATE:
             return True  # replayed already
-        if not sender.try_frame_now(frames.get(live.id, item)):
-            return False
-        last = item.seq
+        if verdict is Verdict.GAP or not sender.try_frame_now(frames.get(live.id, item)):
+            return False  # buffered: the loop below sends it, or catches up first
+        replay.delivered(item.seq)
         quiet = item.kind in QUIET_EVENT_TYPES
         return True
 
@@ -284,29 +285,31 @@ async def _send_events(
         last_seq = live.kernel.last_seq if live.kernel else await manager.store.last_seq(live.id)
         await send(HelloFrame(session_id=live.id, last_seq=last_seq).model_dump_json())
         while True:
-            while True:
-                page = await manager.store.events_since(live.id, last, _REPLAY_PAGE)
-                for seq, body in page:
+            while replay.replaying:
+                page = await manager.store.events_since(live.id, replay.last, _REPLAY_PAGE)
+                for seq, body in replay.page(page):
                     await send(_event_frame(body))
-                    last = seq
-                if not page:
-                    break
+                    replay.delivered(seq)
             sub.direct = deliver if sender.now is not None else None
             sub.batch_end = batch_end if sender.flush_now is not None else None
             while (item := await sub.get()) is not None:
-                if item.seq <= last:
-                    continue
-                await send(_event_frame(item.body))
-                last = item.seq
+                verdict = replay.judge(item.seq, item.prev)
+                if verdict is Verdict.GAP:
+                    break
+                if verdict is Verdict.DELIVER:
+                    await send(_event_frame(item.body))
+                    replay.delivered(item.seq)
             sub.direct = sub.batch_end = None
             if sub.closed:
                 return CloseCode.SESSION_ENDED, "the session was deleted"
-            # Fell behind: re-arm, make the store complete up to now, catch up from it.
+            # Fell behind (the buffer overflowed, or an event came before its predecessor):
+            # re-arm, make the store complete up to now, catch up from it.
+            replay.fell_behind()
             sub.rearm()
             await live.fanout.flush()
     except TimeoutError:
         log.warning("session %s: a stream client stopped reading; closing it with 4408", live.id)
-        return CloseCode.TOO_SLOW, f"client stopped reading; reconnect with since={last}"
+        return CloseCode.TOO_SLOW, f"client stopped reading; reconnect with since={replay.last}"
     finally:
         sub.direct = sub.batch_end = None
 

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kernelhub import __version__
+from kernelhub.errors import FrameError
 
 PROTOCOL_VERSION = "5.3"
 V1_SUBPROTOCOL = "v1.kernel.websocket.jupyter.org"
@@ -134,11 +135,6 @@ def to_v1_frame(msg: Message) -> bytes:
         offsets.append(offsets[-1] + len(part))
     head = len(offsets).to_bytes(8, "little") + b"".join(o.to_bytes(8, "little") for o in offsets)
     return head + channel + b"".join(parts)
-
-
-class FrameError(ValueError):
-    """A client frame that is not a Jupyter message (it is answered by closing, not raised
-    further)."""
 
 
 def from_v1_frame(data: bytes) -> Message:

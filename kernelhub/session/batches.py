@@ -1,10 +1,11 @@
 """Batch runs: many independent items, each in a fresh session of its own, with bounded
 concurrency over all batches.
 
-For each item the runner creates a session (with the item's limits), uploads the item's
-files into /workspace, runs the code, records the result and deletes the session — always,
-whatever happened. It uses only the :class:`SessionManager`'s public methods, so a batch
-item is subject to every quota and audit entry an interactive session is.
+Each item runs in a fresh session of its own, deleted whatever happened
+(:mod:`kernelhub.session.batch_item`); this module schedules the items, records their
+outcomes and answers the requests. It uses only the :class:`SessionManager`'s public
+methods, so a batch item is subject to every quota and audit entry an interactive
+session is.
 
 Calling contract: the app's lifespan builds one :class:`BatchRunner`, calls :meth:`start`
 after the manager's ``start`` (it settles what a previous process left unfinished) and
@@ -31,42 +32,32 @@ sending it again runs it; one whose code was submitted keeps it, so it never run
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from kernelhub.config import Settings
 from kernelhub.errors import InvalidRequestError, KernelhubError, NotFoundError, QuotaError
 from kernelhub.models import ExecutionStatus
+from kernelhub.session.batch_item import BATCH_ID_KEY, BATCH_INDEX_KEY, Item, ItemSessions, Outcome
 from kernelhub.session.fair_queue import FairQueue, principal_cap
 from kernelhub.session.manager import SessionManager, execution_info
 from kernelhub.store.sqlite import Principal, SqliteStore, StoredBatch, StoredBatchItem
 from kernelhub.wire import (
     BatchCreate,
     BatchInfo,
-    BatchItemIn,
     BatchItemInfo,
     BatchItemRef,
     BatchState,
-    ExecutionCreate,
     ExecutionInfo,
-    SessionCreate,
-    SessionInfo,
 )
 
 log = logging.getLogger(__name__)
 
-# Session metadata that ties a session to the batch item it runs (found again at start-up).
-BATCH_ID_KEY = "kernelhub.batch_id"
-BATCH_INDEX_KEY = "kernelhub.batch_index"
-_CAPACITY_TIMEOUT = 120.0  # seconds an item waits for session quota before it fails
-_CAPACITY_POLL_INTERVAL = 2.0
 _INITIAL_ITEM_SECONDS = 5.0  # the run-time guess behind Retry-After before any item ran
 
 
@@ -118,30 +109,11 @@ class BatchObserver:
 
 
 @dataclass
-class _Item:
-    index: int
-    body: BatchItemIn | None  # dropped once the item has ended
-    queued_at: datetime
-    status: ExecutionStatus = ExecutionStatus.QUEUED
-    execution_id: str | None = None
-    submitting: bool = False  # its code went to the manager: it may run from here on
-    scope: asyncio.Timeout | None = None  # rescheduled to stop the item
-    stop_requested: bool = False
-
-
-@dataclass
 class _Batch:
     id: str
     owner: Principal
-    items: list[_Item]  # the ones that run (duplicates do not)
+    items: list[Item]  # the ones that run (duplicates do not)
     cancelled: bool = False
-
-
-@dataclass
-class _Outcome:
-    status: ExecutionStatus = ExecutionStatus.FAILED
-    error: str | None = None
-    release_key: bool = False
 
 
 class BatchRunner:
@@ -157,12 +129,12 @@ class BatchRunner:
         self.store = store
         self.observer = observer or BatchObserver()
         cfg = settings.batch
-        self._queue: FairQueue[_Item] = FairQueue(
+        self._queue: FairQueue[Item] = FairQueue(
             cfg.concurrency, principal_cap(cfg.concurrency, cfg.principal_concurrency)
         )
         self._batches: dict[str, _Batch] = {}
         self._runs: set[asyncio.Task[None]] = set()
-        self._cleanups: set[asyncio.Task[None]] = set()
+        self._sessions = ItemSessions(manager, store, settings.engine.interrupt_grace + 2.0)
         self._submit_lock = asyncio.Lock()
         self._queued = 0
         self._item_seconds = _INITIAL_ITEM_SECONDS
@@ -240,14 +212,13 @@ class BatchRunner:
                     await self._finish(
                         batch,
                         item,
-                        _Outcome(
+                        Outcome(
                             error="the gateway shut down before this item started; submit it again",
                             release_key=True,
                         ),
                         now,
                     )
-        while self._cleanups:
-            await asyncio.gather(*self._cleanups, return_exceptions=True)
+        await self._sessions.drain()
 
     # -- requests ----------------------------------------------------------------------
 
@@ -316,7 +287,7 @@ class BatchRunner:
                 id=stored.id,
                 owner=Principal(name=principal.name),
                 items=[
-                    _Item(index=row.index, body=body.items[row.index], queued_at=now)
+                    Item(index=row.index, body=body.items[row.index], queued_at=now)
                     for row in rows
                     if row.duplicate_of is None
                 ],
@@ -379,14 +350,18 @@ class BatchRunner:
             now = datetime.now(UTC)
             for item in dropped:
                 if item.status == ExecutionStatus.QUEUED:
-                    outcome = _Outcome(
+                    outcome = Outcome(
                         status=ExecutionStatus.CANCELLED,
                         error="the batch was cancelled before this item started",
                         release_key=True,
                     )
                     await self._finish(batch, item, outcome, now)
             await asyncio.gather(
-                *(self._stop(batch, i) for i in batch.items if i.status == ExecutionStatus.RUNNING)
+                *(
+                    self._sessions.stop(batch.owner, i)
+                    for i in batch.items
+                    if i.status == ExecutionStatus.RUNNING
+                )
             )
             self._forget_if_ended(batch)
         return await self.info(principal, batch_id, results=False)
@@ -410,78 +385,17 @@ class BatchRunner:
         if all(i.status.is_final for i in batch.items):
             self._batches.pop(batch.id, None)
 
-    async def _run(self, batch: _Batch, item: _Item) -> None:
-        """One item, start to end; never raises except to be cancelled."""
+    async def _run(self, batch: _Batch, item: Item) -> None:
+        """One item, start to end (:class:`ItemSessions` runs it), then its outcome is
+        recorded and the next item may start; never raises except to be cancelled."""
         started = datetime.now(UTC)
         t0 = time.monotonic()
         self.observer.on_wait((started - item.queued_at).total_seconds())
-        outcome = _Outcome()
-        session_id: str | None = None
-        body = item.body
-        assert body is not None
+        outcome = Outcome()
         try:
-            await self.store.update_batch_item(
-                batch.id, item.index, status=ExecutionStatus.RUNNING, started_at=started
-            )
-            async with asyncio.timeout(None) as scope:
-                item.scope = scope
-                if item.stop_requested:  # cancelled between getting its slot and now
-                    raise TimeoutError
-                session_id = await self._create(batch, item)
-                await self.store.update_batch_item(batch.id, item.index, session_id=session_id)
-                for path, content in body.files.items():
-                    data = base64.b64decode(content)
-                    await self.manager.upload(batch.owner, session_id, path, _once(data))
-                # Without wait: the handle keeps only the final event; outputs are in the store.
-                request = ExecutionCreate(code=body.code, timeout=body.timeout)
-                item.submitting = True
-                row, handle, _ = await self.manager.submit(batch.owner, session_id, request)
-                item.execution_id = row.id
-                await self.store.update_batch_item(batch.id, item.index, execution_id=row.id)
-                if handle is None:  # not without an idempotency key; never expected
-                    raise KernelhubError(f"execution {row.id} has no handle to wait on")
-                done = await handle.wait()
-                await self.manager.settled(row.id)  # its record is durable before ours
-            outcome.status = done.record.status
-            if item.stop_requested and outcome.status != ExecutionStatus.COMPLETED:
-                outcome.error = "the batch was cancelled while this item ran; it was interrupted"
-        except TimeoutError as exc:  # the scope expired: a cancel asked this item to stop
-            if not item.stop_requested:  # a timeout from deeper down: a plain failure
-                log.warning("batch %s item %d: %r", batch.id, item.index, exc)
-                outcome.release_key = not item.submitting
-                outcome.error = f"kernelhub could not run this item: timed out ({exc})"
-                return
-            outcome.status = ExecutionStatus.CANCELLED
-            outcome.release_key = not item.submitting
-            if not item.submitting:
-                outcome.error = "the batch was cancelled before this item's code ran"
-            elif item.execution_id is None:
-                outcome.error = "the batch was cancelled as this item's code was being queued; its session was deleted"
-            else:
-                outcome.error = (
-                    "the batch was cancelled and this item did not stop on the interrupt "
-                    f"within {self._grace():g} s; its session was deleted"
-                )
-        except asyncio.CancelledError:  # the gateway is shutting down
-            outcome.release_key = not item.submitting
-            outcome.error = (
-                "the gateway shut down while this item's code ran; its session was deleted"
-                if item.submitting
-                else "the gateway shut down while this item's session was starting; submit it again"
-            )
-            raise
-        except KernelhubError as exc:
-            outcome.release_key = not item.submitting
-            outcome.error = f"kernelhub could not run this item: {exc}"
-        except Exception:
-            log.exception("batch %s item %d failed unexpectedly", batch.id, item.index)
-            outcome.release_key = not item.submitting
-            outcome.error = "internal error; the gateway logged the details"
+            await self._sessions.run(batch.id, batch.owner, item, outcome, started)
         finally:
-            item.scope = None
             try:
-                if session_id is not None:
-                    await self._delete(batch.owner, session_id)
                 await self._finish(batch, item, outcome, datetime.now(UTC))
                 seconds = time.monotonic() - t0
                 self._item_seconds = 0.8 * self._item_seconds + 0.2 * seconds
@@ -490,54 +404,7 @@ class BatchRunner:
                 self._forget_if_ended(batch)
                 self._start_due()
 
-    async def _create(self, batch: _Batch, item: _Item) -> str:
-        """A fresh session for the item, waiting for session quota up to a bound. Shielded:
-        a session that comes up after the item was stopped is deleted when it does."""
-        assert item.body is not None
-        body = SessionCreate(
-            limits=item.body.limits,
-            metadata={BATCH_ID_KEY: batch.id, BATCH_INDEX_KEY: item.index},
-        )
-        deadline = time.monotonic() + _CAPACITY_TIMEOUT
-        while True:
-            creating = asyncio.ensure_future(self.manager.create(batch.owner, body))
-            try:
-                info = await asyncio.shield(creating)
-            except asyncio.CancelledError:
-                self._track(self._delete_when_up(batch.owner, creating))
-                raise
-            except QuotaError as exc:
-                if time.monotonic() + exc.retry_after > deadline:
-                    raise QuotaError(
-                        f"{exc} (waited {_CAPACITY_TIMEOUT:g} s for room)",
-                        retry_after=exc.retry_after,
-                    ) from exc
-                await asyncio.sleep(min(exc.retry_after, _CAPACITY_POLL_INTERVAL))
-                continue
-            return info.id
-
-    async def _stop(self, batch: _Batch, item: _Item) -> None:
-        """Interrupt a running item; give it the grace to stop, then its session goes."""
-        item.stop_requested = True
-        scope = item.scope
-        if scope is None:
-            return  # about to start: it sees stop_requested
-        loop = asyncio.get_running_loop()
-        if item.execution_id is None:
-            _reschedule(scope, loop.time())
-            return
-        try:
-            await self.manager.interrupt(batch.owner, item.execution_id)
-        except KernelhubError:
-            with contextlib.suppress(KernelhubError):  # queued, not yet started
-                await self.manager.cancel(batch.owner, item.execution_id)
-        if item.scope is not None:
-            _reschedule(item.scope, loop.time() + self._grace())
-
-    def _grace(self) -> float:
-        return self.settings.engine.interrupt_grace + 2.0
-
-    async def _finish(self, batch: _Batch, item: _Item, outcome: _Outcome, now: datetime) -> None:
+    async def _finish(self, batch: _Batch, item: Item, outcome: Outcome, now: datetime) -> None:
         if item.status == ExecutionStatus.QUEUED:
             self._queued -= 1
         item.status = outcome.status
@@ -551,32 +418,6 @@ class BatchRunner:
             release_key=outcome.release_key,
         )
         self.observer.on_finished(outcome.status)
-
-    # -- session clean-up: tasks owned here, so a second cancellation cannot skip them ---
-
-    def _track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro)
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
-        return task
-
-    async def _delete(self, owner: Principal, session_id: str) -> None:
-        await asyncio.shield(self._track(self._delete_now(owner, session_id)))
-
-    async def _delete_now(self, owner: Principal, session_id: str) -> None:
-        try:
-            await self.manager.delete(owner, session_id)
-        except KernelhubError as exc:
-            log.warning("could not delete batch session %s: %s", session_id, exc)
-
-    async def _delete_when_up(
-        self, owner: Principal, creating: asyncio.Future[SessionInfo]
-    ) -> None:
-        try:
-            info = await creating
-        except BaseException:  # it never came up: nothing to delete
-            return
-        await self._delete_now(owner, info.id)
 
     # -- reading -----------------------------------------------------------------------
 
@@ -608,12 +449,3 @@ class BatchRunner:
             counts=count_statuses(statuses),
             items=items,
         )
-
-
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
-def _reschedule(scope: asyncio.Timeout, when: float) -> None:
-    with contextlib.suppress(RuntimeError):  # it has just expired or exited
-        scope.reschedule(when)

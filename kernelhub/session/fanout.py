@@ -31,6 +31,7 @@ class Published(NamedTuple):
     execution_id: str
     body: str  # the event as JSON
     kind: str  # the event's type: "stream", "result", "final", ...
+    prev: int = 0  # the seq published just before (0: none, or unknown): see kernelhub.replay
 
 
 class Subscriber:
@@ -121,7 +122,9 @@ class SessionFanout:
         self._retry: asyncio.TimerHandle | None = None
 
     def publish(self, event: Event) -> None:
-        item = Published(event.seq, event.execution_id, event.model_dump_json(), event.type)
+        item = Published(
+            event.seq, event.execution_id, event.model_dump_json(), event.type, self._published_seq
+        )
         self._published_seq = max(self._published_seq, event.seq)
         if self._held or (self._inflight and not self.store.commit_pending(self._tick)):
             self._held.append(item)

@@ -11,17 +11,14 @@ from typing import Any
 
 import pytest
 
-from kernelhub.agents.tools import (
-    TOOLS,
-    ToolRunner,
-    anthropic_tools,
-    openai_tools,
+from kernelhub.agents.results import (
     render_execution,
     strip_ansi,
     summarize_error,
     trim_traceback,
     truncate,
 )
+from kernelhub.agents.tools import TOOLS, ToolRunner, anthropic_tools, openai_tools
 from kernelhub.client import FileInfo, NotFoundError
 from kernelhub.models import (
     CellError,

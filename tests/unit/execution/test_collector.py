@@ -291,3 +291,77 @@ def test_what_the_sandbox_cut_before_sending_counts_as_dropped() -> None:
     (event,) = c.feed(m)
     assert isinstance(event, DisplayEvent)
     assert c.output_bytes == 1000 and c.dropped_bytes == 40_000_000 - 1000
+
+
+def test_a_message_that_breaks_the_parser_is_counted_not_raised() -> None:
+    c = collector()
+    assert c.feed(["not", "a", "mapping"]) == []  # type: ignore[arg-type]
+    assert c.feed({"header": {"msg_type": "stream"}, "content": None}) == []
+    assert c.malformed == 2
+    (event,) = c.feed(msg("stream", name="stdout", text="still fine"))
+    assert isinstance(event, StreamEvent) and event.text == "still fine"
+
+
+def test_a_reset_connection_is_a_named_notice_announced_once() -> None:
+    c = collector()
+    notice, truncated = c.connection_reset("iopub", 8 * 2**20)
+    assert isinstance(notice, NoticeEvent)
+    assert "iopub connection was reset" in notice.message and f"{8 * 2**20}-byte" in notice.message
+    assert isinstance(truncated, TruncatedEvent) and not truncated.final
+    assert truncated.dropped_events == 1 and truncated.dropped_bytes == 0
+    (again,) = c.connection_reset("shell", 1024)  # the truncation was announced already
+    assert isinstance(again, NoticeEvent) and "shell" in again.message
+    assert c.resets == 2 and c.dropped_events == 2
+    assert c.finish()[-1].dropped_events == 2
+
+
+def test_the_reply_carries_the_user_expressions() -> None:
+    answers = {"x": {"status": "ok", "data": {"text/plain": "1"}, "metadata": {}}}
+    c = collector()
+    c.feed(msg("execute_reply", status="ok", user_expressions=answers))
+    assert c.user_expressions == answers and c.reply_status == "ok"
+    odd = collector()
+    odd.feed(msg("execute_reply", status=None, user_expressions=["not", "a", "mapping"]))
+    assert odd.user_expressions == {} and odd.reply_status == "error"
+
+
+def test_past_the_event_cap_a_dropped_display_leaves_no_mark() -> None:
+    c = collector(limit=10, events=1)
+    assert [type(e) for e in c.feed(msg("display_data", data={"image/png": "x" * 50}))] == [
+        DisplayEvent,
+        TruncatedEvent,
+    ]
+    assert c.feed(msg("display_data", data={"image/png": "y" * 50})) == []
+    assert c.dropped_events == 2
+
+
+def test_a_dropped_result_leaves_no_mark_either() -> None:
+    c = collector(limit=10)
+    (truncated,) = c.feed(msg("execute_result", data={"text/plain": "z" * 50}, execution_count=1))
+    assert isinstance(truncated, TruncatedEvent) and c.dropped_events == 1
+
+
+def test_late_output_once_the_head_is_full_is_dropped_not_tailed() -> None:
+    c = collector(limit=10, tail=5)
+    c.feed(msg("stream", name="stdout", text="0123456789"))
+    c.feed(msg("execute_reply", status="ok"))
+    c.feed(msg("status", execution_state="idle"))
+    assert stdout(c.finish()) == "56789"  # the tail, flushed once
+    assert c.feed(msg("stream", name="stdout", text="late")) == []
+    assert c.dropped_bytes == 4
+
+
+def test_content_that_cannot_be_measured_is_still_converted() -> None:
+    c = collector()
+    content: dict[str, Any] = {"data": {"text/plain": "x"}, "metadata": {}}
+    content["itself"] = content  # json.dumps: circular reference
+    (event,) = c.feed({"header": {"msg_type": "display_data"}, "content": content})
+    assert isinstance(event, DisplayEvent) and event.data == {"text/plain": "x"}
+    assert c.malformed == 0
+
+
+def test_an_error_whose_traceback_is_not_a_list_keeps_its_name() -> None:
+    c = collector()
+    (event,) = c.feed(msg("error", ename="E", evalue="v", traceback="not a list"))
+    assert isinstance(event, ErrorEvent) and event.error.name == "E"
+    assert event.error.traceback == []

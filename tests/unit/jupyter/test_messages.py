@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from kernelhub.errors import FrameError
 from kernelhub.jupyter import messages
-from kernelhub.jupyter.messages import FrameError, Origin, Translator
+from kernelhub.jupyter.messages import Origin, Translator
 
 
 def test_kernel_ids_are_uuids_stable_per_session_and_distinct() -> None:

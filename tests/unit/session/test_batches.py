@@ -18,9 +18,8 @@ import pytest
 from kernelhub.config import Settings, StorageSettings, load_settings
 from kernelhub.errors import InvalidRequestError, NotFoundError, QuotaError, SessionError
 from kernelhub.models import EndedBy, Execution, ExecutionRecord, ExecutionStatus
+from kernelhub.session.batch_item import BATCH_ID_KEY, BATCH_INDEX_KEY
 from kernelhub.session.batches import (
-    BATCH_ID_KEY,
-    BATCH_INDEX_KEY,
     BatchRunner,
     batch_state,
     count_statuses,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kernelhub.models import ExecutionStatus, StatusEvent, StreamEvent
+from kernelhub.replay import Replay, Verdict
 from kernelhub.session.fanout import Published, SessionFanout, Subscriber
 from kernelhub.store.sqlite import SqliteStore
 
@@ -250,4 +251,29 @@ async def test_quiet_events_wait_for_company_or_their_window(store: SqliteStore)
     await asyncio.wait_for(fanout.flush(), 0.1)  # someone waits: no window
     assert commits == [[1, 2, 3], [4], [5], []]
     assert await stored_seqs(store) == [1, 2, 3, 4, 5]
+    await fanout.close()
+
+
+async def test_each_event_names_the_one_published_before_it(store: SqliteStore) -> None:
+    """``prev`` is what lets a reader (kernelhub.replay) see that it missed an event even
+    though seqs have holes (silent calls take numbers): a reader that lost one catches up
+    from the store, which has it."""
+    fanout = SessionFanout(SID, store)
+    sub = fanout.subscribe(1 << 20)
+    for seq in (1, 2, 5, 9):
+        fanout.publish(event(seq))
+    items = await take(sub, 4)
+    assert [(i.seq, i.prev) for i in items] == [(1, 0), (2, 1), (5, 2), (9, 5)]
+
+    replay = Replay(0, live=True)
+    assert [replay.live(i.seq, i.prev) for i in items[:2]] == [Verdict.DELIVER] * 2
+    # Item 5 never reaches this reader; 9 says 5 came before it.
+    assert replay.live(items[3].seq, items[3].prev) is Verdict.GAP
+    replay.fell_behind()
+    caught_up = []
+    while replay.replaying:
+        for seq, _ in replay.page(await store.events_since(SID, replay.last, 1)):
+            caught_up.append(seq)
+            replay.delivered(seq)
+    assert caught_up == [5, 9]
     await fanout.close()
