@@ -44,7 +44,7 @@ _FD_READ_BYTES = 1 << 16
 class SandboxOutStream(OutStream):
     """ipykernel's OutStream (``sys.stdout``/``sys.stderr``), made fit for a sandbox.
 
-    * Live: ``flush_interval`` (see ``stream_output_live``).
+    * Live: a line written after a quiet ``flush_interval`` leaves at once (``stream_output_live``).
     * Bounded: one ``stream`` message carries at most ``MAX_STREAM_MESSAGE_BYTES`` of
       UTF-8 text; more is split into several messages, in order. A single
       ``print('x' * 300_000_000)`` would otherwise be one 300 MB message that the IOPub
@@ -60,6 +60,8 @@ class SandboxOutStream(OutStream):
     """
 
     flush_interval = DEFAULT_FLUSH_INTERVAL
+    _last_flush = 0.0  # time.monotonic() of the last flush that sent text
+    _line_end = _flush_now = False
 
     def __init__(self, *args: Any, watchfd: bool | str = True, **kwargs: Any) -> None:
         # Set before the base __init__, which starts the fd watcher thread that reads them.
@@ -81,17 +83,37 @@ class SandboxOutStream(OutStream):
             pending, self._buffers = self._buffers, defaultdict(_PendingText)
         return pending
 
+    def write(self, string: str) -> int | None:
+        self._line_end = string.endswith("\n")
+        return super().write(string)
+
+    def _schedule_flush(self) -> None:
+        # The base always waits flush_interval (5 ms on a cell's first print). After a quiet
+        # interval, a write that ends a line leaves at once; writes under load batch.
+        now = self._line_end and time.monotonic() - self._last_flush >= self.flush_interval
+        if now and not self._flush_now:
+            self._flush_now = True
+            self.pub_thread.schedule(self._flush)
+        elif not self._flush_pending:
+            self._flush_pending = True
+            self.pub_thread.schedule(
+                lambda: self._io_loop.call_later(self.flush_interval, self._flush)
+            )
+
     def _flush(self) -> None:
         """Send what was written since the last flush: per parent, in order, in chunks.
 
         Runs in the IOPub thread, like the base version it replaces.
         """
-        self._flush_pending = False
+        self._flush_pending = self._flush_now = False
         self._subprocess_flush_pending = False
         if self.echo is not None:
             with contextlib.suppress(OSError):
                 self.echo.flush()
-        for frozen_parent, pending in self._rotate_buffers().items():
+        written = self._rotate_buffers()
+        if written:  # ipykernel also flushes before each cell: that is no load
+            self._last_flush = time.monotonic()
+        for frozen_parent, pending in written.items():
             parent = dict(frozen_parent)
             for text in pending.chunks(MAX_STREAM_MESSAGE_BYTES):
                 # As in the base class: pub_thread is fork-safe, the Session check is not.
@@ -267,11 +289,11 @@ def _marker_start_len(data: bytes) -> int:
 
 
 def stream_output_live(config: Config, flush_interval: float) -> None:
-    """Make ``SandboxOutStream`` the kernel's stdout/stderr, flushing every ``flush_interval``.
+    """Make ``SandboxOutStream`` the kernel's stdout/stderr, batching by ``flush_interval``.
 
     ipykernel publishes writes at most every 0.2 s, so a chat waits 200 ms for each print
-    of a slow loop. Writes made between two flushes still travel in one message, so a
-    flood of prints costs no more messages at 5 ms than a trickle.
+    of a slow loop. Here a line written after a quiet interval leaves at once; under load,
+    writes made between two flushes travel in one message, so a flood costs few messages.
     """
     SandboxOutStream.flush_interval = flush_interval
     config.IPKernelApp.outstream_class = f"{__name__}.SandboxOutStream"

@@ -7,6 +7,7 @@
 - ``router.MessageRouter``: which cell each message belongs to, through its
   ``OutputCollector`` — events out, through :meth:`KernelSession._emit`;
 - ``worker.CellWorker``: the queue and the one worker that runs cells in order;
+- ``cell.CellRunner``: one cell from its request to its final event;
 - ``timeouts``: the pause-aware cell clock and the escalation of a timeout
   (SIGINT → ``interrupt_grace`` → restart the kernel → ``restart_grace`` → kill);
 - ``record``: the final record of a cell (pure).
@@ -20,19 +21,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from kernelhub.config import EngineSettings, Limits
 from kernelhub.errors import KernelDiedError, KernelhubError, SessionClosedError, SessionError
-from kernelhub.execution.handle import ExecutionHandle, now
+from kernelhub.execution.cell import CellRunner, Started
+from kernelhub.execution.handle import ExecutionHandle
 from kernelhub.execution.link import KernelLink
-from kernelhub.execution.record import finished_record, reply_outcome, unstarted_record
-from kernelhub.execution.router import Active, MessageRouter
-from kernelhub.execution.timeouts import Escalation, PauseGate, wait_running
+from kernelhub.execution.record import unstarted_record
+from kernelhub.execution.router import MessageRouter
+from kernelhub.execution.timeouts import Escalation, PauseGate
 from kernelhub.execution.worker import CellWorker, Exclusive
 from kernelhub.models import (
     EndedBy,
@@ -43,7 +44,6 @@ from kernelhub.models import (
     InputReplyEvent,
     InputRequestEvent,
     NoticeEvent,
-    ResourceUsage,
     StatusEvent,
 )
 from kernelhub.sandbox.base import ExitInfo, Sandbox, SandboxBackend, SandboxSpec
@@ -55,14 +55,6 @@ log = logging.getLogger(__name__)
 Listener = Callable[[Event], None]
 _UNSET: Any = object()
 T = TypeVar("T")
-
-
-class _Started(NamedTuple):
-    """A cell the kernel has been sent: what its end is measured against."""
-
-    active: Active
-    before: ResourceUsage
-    started: float  # time.monotonic()
 
 
 class KernelSession:
@@ -101,10 +93,15 @@ class KernelSession:
             on_reset=self._router.connection_reset,
             alive=lambda: not self._closed and self._exit is None,
         )
-        self._worker: CellWorker[_Started] = CellWorker(self._run_user_cell)
-        self._escalation = Escalation(
+        self._worker: CellWorker[Started] = CellWorker(self._run_user_cell)
+        escalation = Escalation(
             sandbox, engine, notice=self._notice, restart=self._link.restart, dead=self._dead
         )
+        self._cells = CellRunner(
+            sandbox, self._link, self._router, self._gate, escalation,
+            emit=self._emit, next_seq=self._next_seq, exit_info=lambda: self._exit,
+            on_end=self._cancel_input_deadline,
+        )  # fmt: skip
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -286,7 +283,7 @@ class KernelSession:
             # Nothing ahead of it: the cell starts now, and its first event is `running`
             # (a `queued` that lasted no time would only be one more event to store and send).
             try:
-                started = self._begin(handle)
+                started = self._cells.begin(handle)
             except Exception:
                 log.exception("execution %s could not start", handle.id)
                 self._finish_unstarted(
@@ -471,7 +468,7 @@ class KernelSession:
         """Like :meth:`call`, but at once: only from inside :meth:`exclusive` or the
         ``after_cell`` hook, where the worker is already ours."""
         handle = ExecutionHandle(uuid.uuid4().hex, code, timeout, internal=dict(expressions))
-        await self._run(handle)
+        await self._run(handle, None)
         return handle.answers(await handle.wait())
 
     async def exclusive(self, operation: Callable[[], Awaitable[T]]) -> T:
@@ -539,7 +536,7 @@ class KernelSession:
 
     # -- internals: running cells -----------------------------------------------------
 
-    async def _run_user_cell(self, handle: ExecutionHandle, begun: _Started | None) -> None:
+    async def _run_user_cell(self, handle: ExecutionHandle, begun: Started | None) -> None:
         if begun is None and handle.status != ExecutionStatus.QUEUED:
             return  # cancelled while queued
         if begun is None and self._exit is not None:
@@ -563,71 +560,10 @@ class KernelSession:
                     "internal error; see the kernelhub log",
                 )
 
-    def _begin(self, handle: ExecutionHandle) -> _Started:
-        """Send the cell to the kernel (synchronously: see ``worker``), then say so."""
-        client = self._link.client
-        assert client is not None
-        self.sandbox.reset_peak()
-        before = self.sandbox.usage()
-        handle.started_at = now()
-        started = time.monotonic()
-        if handle.internal is not None:
-            msg_id = client.execute(
-                handle.code, silent=True, store_history=False,
-                user_expressions=handle.internal, allow_stdin=False, stop_on_error=False,
-            )  # fmt: skip
-        else:
-            msg_id = client.execute(handle.code, allow_stdin=True, stop_on_error=False)
-        active = self._router.begin(handle, msg_id)
-        self._emit(
-            handle,
-            StatusEvent(
-                execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.RUNNING
-            ),
-        )
-        return _Started(active, before, started)
-
-    async def _run(self, handle: ExecutionHandle, begun: _Started | None = None) -> None:
-        active, before, started = begun or self._begin(handle)
-        collector, done = active.collector, active.done
-        ended_by, state_lost, reason = EndedBy.REPLY, False, None
-        status: ExecutionStatus | None = None
-        try:
-            await wait_running(done, handle, self._gate)
-        except TimeoutError:
-            status = ExecutionStatus.TIMED_OUT
-            reason = (
-                f"execution timed out after {handle.timeout:g} s; pass timeout= or set "
-                "KERNELHUB_LIMITS__CELL_TIMEOUT"
-            )
-            ended_by, state_lost = await self._escalation.run(done, handle)
-            if ended_by == EndedBy.KILL and self._exit is None:
-                self._exit = ExitInfo(reason="killed after a cell ignored its timeout")
-        except KernelDiedError as exc:
-            status, ended_by, state_lost = ExecutionStatus.KERNEL_DIED, EndedBy.KERNEL_DEATH, True
-            reason = exc.reason
-        except SessionClosedError:
-            status, ended_by, state_lost = ExecutionStatus.CANCELLED, EndedBy.KILL, True
-            reason = "session closed"
-        finally:
-            self._router.active = None
-        self._cancel_input_deadline()
-        duration = time.monotonic() - started - handle.paused_seconds
-        after = self.sandbox.usage()
-        if status is None:
-            status, ended_by = reply_outcome(
-                collector, interrupt_requested=handle.interrupt_requested
-            )
-        elif status == ExecutionStatus.KERNEL_DIED and self._exit is not None:
-            reason = self._exit.reason
-        handle.user_expressions = collector.user_expressions
-        for event in collector.finish():
-            self._emit(handle, event)
-        record = finished_record(
-            handle, collector, status=status, ended_by=ended_by, state_lost=state_lost,
-            reason=reason, duration=duration, before=before, after=after,
-        )  # fmt: skip
-        self._emit(handle, FinalEvent(execution_id=handle.id, seq=self._next_seq(), record=record))
+    async def _run(self, handle: ExecutionHandle, begun: Started | None) -> None:
+        killed = await self._cells.run(handle, begun)
+        if killed is not None and self._exit is None:
+            self._exit = killed
 
     def _dead(self) -> bool:
         return self._exit is not None
