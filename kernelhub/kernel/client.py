@@ -28,7 +28,7 @@ from kernelhub.kernel.codec import Codec, claimed_parent, split_identities
 from kernelhub.kernel.connection import SessionDir
 
 # The in-kernel helper splits stream output into messages of at most 1 MiB and cuts any
-# other message over 8 MiB (``kernelhub_kernel.patches.MAX_MESSAGE_BYTES``) with a marker.
+# other message over 8 MiB (``kernelhub_kernel.bounds.MAX_MESSAGE_BYTES``) with a marker.
 # A frame past this is refused by libzmq before allocation (it drops the connection,
 # which ``Receiver`` re-establishes and names); a message past the total is drained and
 # named without being kept. A hostile kernel can send either: its socket is its own.
