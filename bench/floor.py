@@ -32,6 +32,8 @@ from kernelhub.sandbox.seccomp import profile_json
 # The cell keeps running after the print, as real cells do: the print must not wait for
 # the end of the cell (stock ipykernel flushes every 0.2 s).
 FIRST_PRINT = "print('x'); import time; time.sleep(0.3)"
+# The floor prints with flush=True: what a stock kernel's user does not to wait 0.2 s.
+FLOOR_FIRST_PRINT = "print('x', flush=True); import time; time.sleep(0.3)"
 
 
 async def await_reply(kc: Any, msg_id: str, timeout: float = 60) -> dict[str, Any]:
@@ -84,9 +86,9 @@ class FloorKernel:
         return elapsed
 
     async def first_print(self) -> float:
-        """Seconds from ``execute`` of :data:`FIRST_PRINT` to its first stream message."""
+        """Seconds from ``execute`` of :data:`FLOOR_FIRST_PRINT` to its first stream message."""
         t0 = time.perf_counter()
-        msg_id = self.kc.execute(FIRST_PRINT)
+        msg_id = self.kc.execute(FLOOR_FIRST_PRINT)
         first = None
         while True:
             msg = await self.kc.get_iopub_msg(timeout=10)

@@ -303,12 +303,13 @@ class Suite:
             self.plan.first_prints,
         )
         m = {name: median(samples) for name, samples in s.items()}
-        floor = f"{ms(m['floor'])} (stock ipykernel)"
+        floor = f"{ms(m['floor'])} (stock ipykernel, flush=True)"
         self.note(
             section,
             f"`{FIRST_PRINT}`: time to the first stream event (engine) or frame (WebSocket),"
-            f" median of {self.plan.first_prints}. A stock ipykernel flushes stdout every"
-            " 0.2 s, so its number is a flush interval; kernelhub's kernel sends a print at once.",
+            f" median of {self.plan.first_prints}. Floor: a stock ipykernel running the same"
+            " cell with `print('x', flush=True)` (unflushed, it would wait for its 0.2 s"
+            " timer); kernelhub's kernel sends a line written after a quiet 5 ms at once.",
         )
         return [
             Row(section, "`print` → first stream event, engine (median)", ms(m["engine"]), floor,

@@ -14,7 +14,8 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     │   ├── SandboxStartError    the kernel did not come up; carries the sandbox log tail
     │   └── UnsafeSocketError    the socket directory holds something that is not our socket
     ├── KernelError              the kernel misbehaved at the protocol level
-    │   └── KernelDiedError      the kernel is gone; carries the reason in words
+    │   ├── KernelDiedError      the kernel is gone; carries the reason in words
+    │   └── KernelMessageError   a kernel message failed to verify or decode (dropped, logged)
     ├── SessionError             an operation is illegal in the session's current state
     │   └── SessionClosedError   the caller's session has ended (dead or deleted) for good
     ├── NotFoundError            no such session/execution — or it belongs to someone else
@@ -93,6 +94,11 @@ class KernelDiedError(KernelError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"kernel died: {reason}")
         self.reason = reason
+
+
+class KernelMessageError(KernelError):
+    """A message from the kernel is oversized, truncated, forged, replayed or malformed
+    (``kernel.codec``). The engine drops it; it never reaches a caller."""
 
 
 class SessionError(KernelhubError):

@@ -15,6 +15,7 @@ Modules:
 * ``patches``: what a sandboxed kernel driven by an agent needs that stock ipykernel does
   not do: output that streams live, bounded stream messages, output attributed to the cell
   that produced it (threads, subprocesses), ``confirm()``, nothing written to the workspace.
+* ``bounds``: every message the kernel sends cut to a size the host accepts, visibly.
 
 ``PROTOCOL_VERSION`` is the version of the contract between kernelhub and this package (the
 command line, the signals, the environment it reads); kernelhub's

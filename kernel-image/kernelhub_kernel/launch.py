@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from kernelhub_kernel import patches
+from kernelhub_kernel import bounds, patches
 
 FLUSH_INTERVAL_ENV = "KERNELHUB_FLUSH_INTERVAL"
 
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from jupyter_client.session import Session
 
-    patches.bound_messages(Session)
+    bounds.bound_messages(Session)
     patches.never_drop_output(IPKernelApp)
     config = Config()
     patches.stream_output_live(config, flush_interval)

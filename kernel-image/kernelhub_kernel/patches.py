@@ -44,7 +44,7 @@ _FD_READ_BYTES = 1 << 16
 class SandboxOutStream(OutStream):
     """ipykernel's OutStream (``sys.stdout``/``sys.stderr``), made fit for a sandbox.
 
-    * Live: ``flush_interval`` (see ``stream_output_live``).
+    * Live: a line written after a quiet ``flush_interval`` leaves at once (``stream_output_live``).
     * Bounded: one ``stream`` message carries at most ``MAX_STREAM_MESSAGE_BYTES`` of
       UTF-8 text; more is split into several messages, in order. A single
       ``print('x' * 300_000_000)`` would otherwise be one 300 MB message that the IOPub
@@ -60,6 +60,8 @@ class SandboxOutStream(OutStream):
     """
 
     flush_interval = DEFAULT_FLUSH_INTERVAL
+    _last_flush = 0.0  # time.monotonic() of the last flush that sent text
+    _line_end = _flush_now = False
 
     def __init__(self, *args: Any, watchfd: bool | str = True, **kwargs: Any) -> None:
         # Set before the base __init__, which starts the fd watcher thread that reads them.
@@ -81,17 +83,37 @@ class SandboxOutStream(OutStream):
             pending, self._buffers = self._buffers, defaultdict(_PendingText)
         return pending
 
+    def write(self, string: str) -> int | None:
+        self._line_end = string.endswith("\n")
+        return super().write(string)
+
+    def _schedule_flush(self) -> None:
+        # The base always waits flush_interval (5 ms on a cell's first print). After a quiet
+        # interval, a write that ends a line leaves at once; writes under load batch.
+        now = self._line_end and time.monotonic() - self._last_flush >= self.flush_interval
+        if now and not self._flush_now:
+            self._flush_now = True
+            self.pub_thread.schedule(self._flush)
+        elif not self._flush_pending:
+            self._flush_pending = True
+            self.pub_thread.schedule(
+                lambda: self._io_loop.call_later(self.flush_interval, self._flush)
+            )
+
     def _flush(self) -> None:
         """Send what was written since the last flush: per parent, in order, in chunks.
 
         Runs in the IOPub thread, like the base version it replaces.
         """
-        self._flush_pending = False
+        self._flush_pending = self._flush_now = False
         self._subprocess_flush_pending = False
         if self.echo is not None:
             with contextlib.suppress(OSError):
                 self.echo.flush()
-        for frozen_parent, pending in self._rotate_buffers().items():
+        written = self._rotate_buffers()
+        if written:  # ipykernel also flushes before each cell: that is no load
+            self._last_flush = time.monotonic()
+        for frozen_parent, pending in written.items():
             parent = dict(frozen_parent)
             for text in pending.chunks(MAX_STREAM_MESSAGE_BYTES):
                 # As in the base class: pub_thread is fork-safe, the Session check is not.
@@ -267,11 +289,11 @@ def _marker_start_len(data: bytes) -> int:
 
 
 def stream_output_live(config: Config, flush_interval: float) -> None:
-    """Make ``SandboxOutStream`` the kernel's stdout/stderr, flushing every ``flush_interval``.
+    """Make ``SandboxOutStream`` the kernel's stdout/stderr, batching by ``flush_interval``.
 
     ipykernel publishes writes at most every 0.2 s, so a chat waits 200 ms for each print
-    of a slow loop. Writes made between two flushes still travel in one message, so a
-    flood of prints costs no more messages at 5 ms than a trickle.
+    of a slow loop. Here a line written after a quiet interval leaves at once; under load,
+    writes made between two flushes travel in one message, so a flood costs few messages.
     """
     SandboxOutStream.flush_interval = flush_interval
     config.IPKernelApp.outstream_class = f"{__name__}.SandboxOutStream"
@@ -507,94 +529,3 @@ def never_drop_output(app_class: Any) -> None:
         self.iopub_socket = self.iopub_thread.background_socket
 
     app_class.init_iopub = init_iopub
-
-
-# The largest message the kernel sends; the host refuses bigger frames (ZMQ MAXMSGSIZE,
-# kernelhub.kernel.client.MAX_FRAME_BYTES, a little above this), so anything larger is
-# cut here, where it can become a named truncation instead of a dropped connection.
-MAX_MESSAGE_BYTES = 8 << 20
-_TRUNCATED_KEY = "kernelhub_truncated"
-_MAX_ITEMS = 1000
-_MAX_DEPTH = 32
-
-
-def bound_messages(session_class: Any, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
-    """Cut every message over ``max_bytes`` before it is sent, with a visible marker.
-
-    A display with 40 MB of metadata or ``raise Exception('x' * 20_000_000)`` would be one
-    message the host has to receive and decode whole. Strings are cut to their head and
-    tail around ``[... N bytes dropped ...]``, long lists and dicts keep their ends, a
-    binary MIME entry that had to be cut is dropped (half an image renders as garbage),
-    and ``content`` gets ``kernelhub_truncated`` with the original size. Messages under
-    the limit (nearly all) cost one ``sum`` of frame lengths.
-    """
-    serialize = session_class.serialize
-
-    def bounded_serialize(self: Any, msg: dict[str, Any], ident: Any = None) -> list[bytes]:
-        frames = serialize(self, msg, ident)
-        size = sum(len(f) for f in frames)
-        content = msg.get("content")
-        if size <= max_bytes or not isinstance(content, dict):
-            return frames
-        msg = dict(msg)
-        msg["content"] = _shrink_content(content, max_bytes // 2, size)
-        if msg.get("metadata"):
-            msg["metadata"] = _shrink(msg["metadata"], max_bytes // 16)
-        return serialize(self, msg, ident)
-
-    session_class.serialize = bounded_serialize
-
-
-def _shrink_content(content: dict[str, Any], budget: int, size: int) -> dict[str, Any]:
-    import json
-
-    cap = budget
-    while True:
-        out = _cap(content, cap, 0)
-        data = out.get("data")
-        if isinstance(data, dict) and isinstance(content.get("data"), dict):
-            for key, value in list(data.items()):
-                cut = value != content["data"].get(key)
-                if cut and not (key.startswith("text/") or key.endswith("json")):
-                    del data[key]
-                    data.setdefault("text/plain", f"[{key} output dropped: over the message limit]")
-        out[_TRUNCATED_KEY] = {"original_bytes": size, "limit_bytes": budget * 2}
-        if len(json.dumps(out, default=str)) <= budget or cap <= 64:
-            return out
-        cap //= 4
-
-
-def _cap(value: Any, cap: int, depth: int) -> Any:
-    if isinstance(value, str):
-        return _cut_text(value, cap)
-    if depth >= _MAX_DEPTH:
-        return "[... nested too deep ...]"
-    if isinstance(value, dict):
-        items = list(value.items())
-        kept = {str(k)[:cap]: _cap(v, cap, depth + 1) for k, v in items[:_MAX_ITEMS]}
-        if len(items) > _MAX_ITEMS:
-            kept["..."] = f"[... {len(items) - _MAX_ITEMS} entries dropped ...]"
-        return kept
-    if isinstance(value, (list, tuple)):
-        if len(value) > _MAX_ITEMS:
-            half = _MAX_ITEMS // 2
-            dropped = f"[... {len(value) - 2 * half} items dropped ...]"
-            value = [*value[:half], dropped, *value[-half:]]
-        return [_cap(v, cap, depth + 1) for v in value]
-    return value
-
-
-def _shrink(value: Any, budget: int) -> Any:
-    return _cap(value, max(budget // 4, 64), 0)
-
-
-def _cut_text(text: str, limit: int) -> str:
-    if len(text) <= limit // 4:  # at most 4 UTF-8 bytes a character: fits
-        return text
-    raw = text.encode("utf-8", "surrogatepass")
-    if len(raw) <= limit:
-        return text
-    half = max(limit // 2 - 32, 0)
-    head = raw[:half].decode("utf-8", "ignore")
-    tail = raw[len(raw) - half :].decode("utf-8", "ignore")
-    return f"{head}\n[... {len(raw) - 2 * half} bytes dropped ...]\n{tail}"

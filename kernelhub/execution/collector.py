@@ -48,7 +48,7 @@ WIRE_BYTES_KEY = "kernelhub_wire_bytes"
 # What a stream message carries besides its text (JSON keys, metadata frame) at most.
 _STREAM_ENVELOPE_BYTES = 4096
 # Set by the in-sandbox kernel on a message it cut to its size limit
-# (``kernelhub_kernel.patches.bound_messages``).
+# (``kernelhub_kernel.bounds.bound_messages``).
 SANDBOX_CUT_KEY = "kernelhub_truncated"
 # Not output: the protocol's own bookkeeping for the request.
 _UNCHARGED = frozenset({"status", "execute_input", "execute_reply"})

@@ -208,15 +208,29 @@ async def test_print_streams_without_waiting_for_the_cell(start_kernel: StartKer
     assert latencies[len(latencies) // 2] < 0.1
 
 
-async def test_flush_interval_can_be_set(start_kernel: StartKernel) -> None:
-    kernel = await start_kernel(KERNELHUB_FLUSH_INTERVAL="0.4")
+async def test_the_first_write_leaves_at_once_and_writes_under_load_wait(
+    start_kernel: StartKernel,
+) -> None:
+    """The first write after a quiet interval is sent at once, whatever the interval;
+    writes made within the interval of the last flush wait for the next one."""
+    interval = 1.5
+    kernel = await start_kernel(KERNELHUB_FLUSH_INTERVAL=str(interval))
+
+    def stream_of(msg_id: str) -> Callable[[dict[str, Any]], bool]:
+        return lambda m: m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == msg_id
+
     sent = time.monotonic()
-    msg_id = kernel.kc.execute("import time\nprint('x')\ntime.sleep(1)")
-    await kernel.read_iopub_until(
-        lambda m: m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == msg_id
+    msg_id = kernel.kc.execute(
+        "import time\nprint('a')\ntime.sleep(0.1)\nprint('b')\ntime.sleep(2)"
     )
-    assert time.monotonic() - sent >= 0.35
-    await kernel.wait_cell(msg_id)
+    first = await kernel.read_iopub_until(stream_of(msg_id))
+    first_at = time.monotonic()
+    assert first_at - sent < interval / 2, "the first print waited for the interval"
+    assert first["content"]["text"] == "a\n"  # the whole line: print writes "a", then "\n"
+    await kernel.read_iopub_until(lambda m: stream_of(msg_id)(m) and "b" in m["content"]["text"])
+    assert time.monotonic() - first_at >= interval * 0.8, "a write under load was not batched"
+    cell = await kernel.wait_cell(msg_id)
+    assert cell.text() == "a\nb\n"
 
 
 async def test_bad_flush_interval_stops_the_kernel(start_kernel: StartKernel) -> None:
