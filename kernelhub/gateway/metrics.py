@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kernelhub.models import ExecutionRecord, ExecutionStatus
+from kernelhub.wire import SessionState
 
 if TYPE_CHECKING:
     from kernelhub.session.batches import BatchRunner
@@ -110,17 +111,16 @@ class _LiveCollector(Collector):
         queued = GaugeMetricFamily("kernelhub_queue_length", "Executions waiting, all sessions")
         total_queued = 0
         for live in self.manager.sessions.values():
-            state = live.state.value
-            if live.kernel is not None and live.kernel.running is not None and state == "ready":
-                state = "busy"
+            state = live.state.value  # the state machine's, as GET /v1/sessions/{id} says
             by_state[state] = by_state.get(state, 0) + 1
             if live.kernel is not None and live.kernel.alive:
                 total_queued += live.kernel.queue_length
         sessions = GaugeMetricFamily(
             "kernelhub_sessions", "Live sessions by state", labels=["state"]
         )
-        for state in ("starting", "ready", "busy", "dead"):
-            sessions.add_metric([state], by_state.get(state, 0))
+        for state in SessionState:
+            if state != SessionState.DELETED:  # deleted sessions are not held
+                sessions.add_metric([state.value], by_state.get(state.value, 0))
         queued.add_metric([], total_queued)
         yield sessions
         yield queued
@@ -156,7 +156,7 @@ class _SessionCollector(Collector):
         )
         for live in self.manager.sessions.values():
             if live.kernel is not None and live.kernel.alive:
-                usage = live.kernel.sandbox.usage()
+                usage = live.kernel.usage()
                 if usage.cpu_seconds is not None:
                     cpu.add_metric([live.id], usage.cpu_seconds)
                 if usage.memory_bytes is not None:
