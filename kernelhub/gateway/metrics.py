@@ -50,6 +50,11 @@ class Metrics:
             "kernelhub_batch_queue_wait_seconds", "Time batch items waited for a slot",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.ws_executes = Counter(
+            "kernelhub_ws_executes", "Executions submitted over WebSocket streams, by path: "
+            "fast (to the kernel from the frame's own receive callback) or queued (ASGI)",
+            ["path"], registry=self.registry,
+        )  # fmt: skip
         self.batch_items = Counter(
             "kernelhub_batch_items", "Finished batch items by status", ["status"],
             registry=self.registry,

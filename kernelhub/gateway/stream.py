@@ -318,6 +318,7 @@ async def _receive(
 ) -> None:
     client = client_address(ws)
     window = manager.settings.gateway.coalesce_window
+    taken = ws.app.state.metrics.ws_executes
     busy = False  # a frame is being handled here: later ones queue behind it
     # An execute taken on the fast path that had to wait (its idempotency key's round
     # trip to the store, a wake-up): frames after it are handled once it is done.
@@ -339,9 +340,10 @@ async def _receive(
         except ValidationError:
             return False
         submitted = eager.start(manager.submit(principal, live.id, body, client))
+        if submitted.done() and submitted.exception() is not None:
+            return False  # nothing was queued: the usual path says what went wrong
+        taken.labels("fast").inc()
         if submitted.done():
-            if submitted.exception() is not None:
-                return False  # nothing was queued: the usual path says what went wrong
             _accept(manager, sender, frame, submitted.result()[0].id, window)
             return True
         ahead = later = asyncio.ensure_future(_accept_later(submitted, sender, manager, frame))
@@ -373,6 +375,8 @@ async def _receive(
                     raise ValueError(f"frame larger than {_MAX_FRAME_CHARS} characters")
                 frame = _CLIENT_FRAME.validate_json(text)
                 request_id = frame.request_id
+                if isinstance(frame, ExecuteFrame):
+                    taken.labels("queued").inc()
                 await _handle(frame, sender, manager, principal, live, client)
             except ValidationError as exc:
                 request_id = request_id_of(text)

@@ -88,6 +88,13 @@ class LiveSession:
             return self.kernel
         return None
 
+    def finished(self, execution_id: str) -> None:
+        """An execution's final event: the session is active, and (with checkpoints) the
+        execution's effects are not in a checkpoint yet."""
+        self.last_active = time.monotonic()
+        if self.checkpoints or self.checkpoint_policy != "off":
+            self.since_checkpoint.append(execution_id)
+
     def idle_for(self, seconds: float) -> bool:
         """Idle (ready, nothing queued) for at least ``seconds``: a hibernation candidate."""
         kernel = self.kernel

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import psutil
@@ -34,7 +35,7 @@ from kernelhub.errors import (
     QuotaError,
 )
 from kernelhub.execution.engine import KernelSession
-from kernelhub.models import Event, ExecutionStatus, FinalEvent
+from kernelhub.models import Event, ExecutionStatus
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.continuity import Continuity
 from kernelhub.session.live import LiveSession, held, session_info
@@ -413,15 +414,8 @@ class SessionManager:
         live.kernel = kernel
         live.checkpoints = []  # they live in the sandbox: a new sandbox has none
         kernel.after_cell = lambda handle: self.continuity.checkpoint(live, kernel, handle)
-        kernel.add_listener(lambda event: self._on_event(live, event))
+        kernel.add_listener(partial(self.recorder.event, live))
         self._spawn(self._watch(live, kernel))
-
-    def _on_event(self, live: LiveSession, event: Event) -> None:
-        if isinstance(event, FinalEvent):
-            live.last_active = time.monotonic()
-            if live.checkpoints or live.checkpoint_policy != "off":
-                live.since_checkpoint.append(event.execution_id)
-        self.recorder.event(live, event)
 
     async def _watch(self, live: LiveSession, kernel: KernelSession) -> None:
         info = await kernel.wait_exit()

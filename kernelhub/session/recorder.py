@@ -128,6 +128,7 @@ class Recorder:
         """Every event of the session's kernel, in order (the engine's listener)."""
         live.fanout.publish(event)
         if isinstance(event, FinalEvent):
+            live.finished(event.execution_id)
             self._settled[event.execution_id] = asyncio.get_running_loop().create_future()
             self._recent[event.execution_id] = event.record
             while len(self._recent) > _RECENT_RECORDS:
