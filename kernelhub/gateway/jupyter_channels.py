@@ -32,7 +32,7 @@ from kernelhub.jupyter.messages import FrameError, Message, Origin, Translator
 from kernelhub.models import ExecutionStatus
 from kernelhub.session.manager import LiveSession, SessionManager
 from kernelhub.store.sqlite import Principal
-from kernelhub.wire import ExecutionCreate
+from kernelhub.wire import ExecutionCreate, SessionState
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -294,8 +294,8 @@ class Connection:
         await self.manager.send_input(self.principal, running.id, value)
 
     def _idle_kernel(self) -> Any:
-        kernel = self.live.kernel
-        if kernel is None or not kernel.alive or kernel.running is not None or kernel.queue_length:
+        kernel = self.live.kernel  # idle: the state machine's ready, nothing queued
+        if self.live.state != SessionState.READY or kernel is None or kernel.queue_length:
             return None
         return kernel
 

@@ -342,12 +342,16 @@ class Continuity:
                 await self.drop_snapshot(info.id)
                 log.info("session %s was used while hibernating; it stays awake", live.id)
                 return
-            # Hibernated from here: a request that arrives while the sandbox goes waits on
-            # the lock (the state machine says wake) and then wakes the session.
-            live.kernel = None
-            live.hibernation = info.id
-            live.move(Transition.HIBERNATE)
-            await kernel.close()
+            # Listed as hibernated only once the sandbox is really gone; a request that
+            # arrives meanwhile waits (the state machine: ready, with no kernel yet), then
+            # finds it hibernated and wakes it, after this lock.
+            live.kernel, live.hibernating = None, True
+            try:
+                await kernel.close()
+            finally:
+                live.hibernating = False
+                live.hibernation = info.id
+                live.move(Transition.HIBERNATE)
             await self.recorder.phase(live)
             await self.recorder.audit(
                 AuditEntry(

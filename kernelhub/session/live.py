@@ -51,6 +51,7 @@ class LiveSession:
     last_checkpoint_at: float = 0.0
     hibernation: str | None = None  # the snapshot a hibernated session wakes from
     warm: bool = False  # its sandbox came from the warm pool
+    hibernating: bool = False  # its sandbox is being removed for hibernation
     wake_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -71,6 +72,7 @@ class LiveSession:
             paused=kernel is not None and kernel.paused,
             running=kernel is not None and kernel.running is not None,
             recoverable=self.recoverable,
+            hibernating=self.hibernating,
         )
 
     def move(self, transition: Transition) -> SessionState:

@@ -441,6 +441,8 @@ class SessionManager:
                 log.warning("releasing dead session %s failed: %s", live.id, exc)
 
     async def _mark_dead(self, live: LiveSession, reason: str) -> None:
+        if live.phase in (SessionState.DEAD, SessionState.DELETED):
+            return  # declared already (a recovered kernel that died while restoring)
         starting = live.phase in (SessionState.STARTING, SessionState.RECOVERING)
         live.move(Transition.FAILED if starting else Transition.DIED)
         live.reason = reason

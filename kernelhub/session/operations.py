@@ -259,17 +259,21 @@ class Operations:
     async def pause(
         self, principal: Principal, session_id: str, client: str | None = None
     ) -> SessionInfo:
-        live = await self._get(principal, session_id)
-        await (await self.kernel_for(live, Operation.PAUSE)).pause()
-        await self._audit(principal, "session.pause", session_id, client=client)
-        return await self._info(principal, session_id)
+        return await self._freeze(principal, session_id, client, pause=True)
 
     async def resume(
         self, principal: Principal, session_id: str, client: str | None = None
     ) -> SessionInfo:
+        return await self._freeze(principal, session_id, client, pause=False)
+
+    async def _freeze(
+        self, principal: Principal, session_id: str, client: str | None, *, pause: bool
+    ) -> SessionInfo:
         live = await self._get(principal, session_id)
-        await (await self.kernel_for(live, Operation.RESUME)).resume()
-        await self._audit(principal, "session.resume", session_id, client=client)
+        kernel = await self.kernel_for(live, Operation.PAUSE if pause else Operation.RESUME)
+        await (kernel.pause() if pause else kernel.resume())
+        action = "session.pause" if pause else "session.resume"
+        await self._audit(principal, action, session_id, client=client)
         return await self._info(principal, session_id)
 
     # -- continuity (see Continuity) ------------------------------------------------------

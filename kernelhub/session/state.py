@@ -155,13 +155,23 @@ def advance(state: SessionState, transition: Transition) -> SessionState:
 
 
 def observe(
-    phase: SessionState, *, alive: bool, paused: bool, running: bool, recoverable: bool
+    phase: SessionState,
+    *,
+    alive: bool,
+    paused: bool,
+    running: bool,
+    recoverable: bool,
+    hibernating: bool = False,
 ) -> SessionState:
     """The state a session is in, from its phase and its kernel (``alive``: it has one
     and it is running). A ready session whose kernel died a moment ago is recovering or
-    dead already, whatever the watcher has not written yet."""
+    dead already, whatever the watcher has not written yet. One whose sandbox is being
+    removed for hibernation (``hibernating``) is listed as hibernated only once it is
+    gone: until then it is ready, and what needs its kernel waits."""
     if phase != S.READY:
         return phase
+    if not alive and hibernating:
+        return S.READY
     if not alive:
         return S.RECOVERING if recoverable else S.DEAD
     if paused:

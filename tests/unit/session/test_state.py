@@ -149,29 +149,32 @@ def test_only_lifecycle_phases_are_moved_between() -> None:
 
 
 KERNELS = """
-phase       alive paused running recoverable  state
-ready       1     0      0       0            ready
-ready       1     0      1       0            busy
-ready       1     1      1       0            paused
-ready       1     1      0       1            paused
-ready       0     0      1       1            recovering
-ready       0     1      0       0            dead
-starting    0     0      0       1            starting
-recovering  1     0      0       1            recovering
-hibernated  0     0      0       1            hibernated
-dead        1     0      1       1            dead
-deleted     0     0      0       0            deleted
+phase       alive paused running recoverable hibernating  state
+ready       1     0      0       0           0            ready
+ready       1     0      1       0           0            busy
+ready       1     1      1       0           0            paused
+ready       1     1      0       1           0            paused
+ready       0     0      1       1           0            recovering
+ready       0     1      0       0           0            dead
+ready       0     0      0       1           1            ready
+ready       1     0      1       0           1            busy
+starting    0     0      0       1           0            starting
+recovering  1     0      0       1           0            recovering
+hibernated  0     0      0       1           0            hibernated
+dead        1     0      1       1           1            dead
+deleted     0     0      0       0           0            deleted
 """
 
 
 @pytest.mark.parametrize("row", KERNELS.strip().splitlines()[1:])
 def test_the_state_is_observed_from_the_phase_and_the_kernel(row: str) -> None:
-    phase, alive, paused, running, recoverable, state = row.split()
+    phase, alive, paused, running, recoverable, hibernating, state = row.split()
     seen = observe(
         SessionState(phase),
         alive=alive == "1",
         paused=paused == "1",
         running=running == "1",
         recoverable=recoverable == "1",
+        hibernating=hibernating == "1",
     )
     assert seen == SessionState(state)
