@@ -88,6 +88,8 @@ async def test_sdk_executions_take_the_fast_path_and_keys_still_run_a_cell_once(
                 assert "k-once" in error["message"] and "another session" in error["message"]
             check = await session.run("print(counter)")
             assert check.stdout == "1\n"
+            await other.delete()  # the SDK's pool closes with its last session
+            await session.delete()
 
 
 async def test_refusals_name_the_current_state_and_the_attempted_operation(
@@ -120,3 +122,15 @@ async def test_refusals_name_the_current_state_and_the_attempted_operation(
         assert r.status_code == 200 and r.json()["state"] == "ready", r.text
         r = await http.post(f"{base}/executions", json={"code": "6 * 7", "wait": True}, headers=h)
         assert r.status_code in (200, 201) and r.json()["status"] == "completed", r.text
+
+
+async def test_metadata_is_measured_in_the_bytes_it_is_stored_as(shared_gateway: Gateway) -> None:
+    token = shared_gateway.token("meta")
+    # 3,000 characters, 18,000 bytes of stored JSON (each é is stored as \u00e9).
+    body = {"metadata": {"note": "\u00e9" * 3000}}
+    async with httpx.AsyncClient(base_url=shared_gateway.url, timeout=60) as http:
+        r = await http.post("/v1/sessions", json=body, headers=auth(token))
+        assert r.status_code == 400 and r.json()["error"] == "invalid_request", r.text
+        message = r.json()["message"]
+        assert "18012 bytes" in message and "16 KiB" in message, message
+        assert (await http.get("/v1/sessions", headers=auth(token))).json()["sessions"] == []
