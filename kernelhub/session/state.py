@@ -148,7 +148,7 @@ def advance(state: SessionState, transition: Transition) -> SessionState:
         return TRANSITIONS[(state, transition)]
     except KeyError:
         raise SessionStateError(
-            f"a session that is {state.value} cannot be {transition.value}",
+            f"a {state.value} session cannot take the transition {transition.value!r}",
             state=state.value,
             operation=transition.value,
         ) from None

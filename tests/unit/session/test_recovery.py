@@ -103,7 +103,9 @@ async def test_only_a_ready_session_can_crash_into_recovery(
         bind=lambda live, kernel: None, spawn=lambda coro: None,
     )  # fmt: skip
     live = _live(recorder, SessionState.HIBERNATED)
-    with pytest.raises(SessionStateError, match="hibernated cannot be crashed"):
+    with pytest.raises(
+        SessionStateError, match="a hibernated session cannot take the transition 'crashed'"
+    ):
         await continuity.recover(live, DeadKernel(), "gone")  # type: ignore[arg-type]
     assert backend.dropped == []
     await live.fanout.close()
