@@ -1,6 +1,7 @@
-"""A live session's state comes from the state machine, and the operations act on its
-verdicts: run, wake first, or refuse naming both states (stand-in kernels; the real ones
-are exercised end to end in tests/gateway)."""
+"""A live session's state comes from the state machine, the operations act on its
+verdicts (run, wake first, or refuse naming both states), and a crash recovery that
+cannot start a sandbox drops the checkpoints (stand-in kernels and backend; the real
+ones are exercised end to end in tests/gateway)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from typing import Any
 
 import pytest
 
-from kernelhub.config import Limits, Settings
-from kernelhub.errors import SessionClosedError, SessionStateError
+from kernelhub.config import Limits, Settings, StorageSettings
+from kernelhub.errors import SandboxError, SessionClosedError, SessionStateError
+from kernelhub.sandbox.base import Sandbox, SandboxBackend, SandboxSpec
+from kernelhub.session.continuity import Continuity
 from kernelhub.session.live import LiveSession, held
 from kernelhub.session.operations import Operations
 from kernelhub.session.recorder import Observer, Recorder
 from kernelhub.session.state import Operation, SessionState, Transition, Verdict
+from kernelhub.snapshot.blobs import BlobStore
+from kernelhub.store.quota import StorageGuard
 from kernelhub.store.sqlite import Principal, SqliteStore, StoredSession
 
 
@@ -38,6 +43,33 @@ class Waker:
         live.kernel = StandInKernel()  # type: ignore[assignment]
         live.hibernation = None
         live.move(Transition.WOKE)
+
+
+class NoRoomBackend(SandboxBackend):
+    name = "no-room"
+
+    def __init__(self) -> None:
+        self.dropped: list[str] = []
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        raise SandboxError("no room for another sandbox")
+
+    async def drop_state(self, session_id: str) -> None:
+        self.dropped.append(session_id)
+
+    async def reap_orphans(self) -> int:
+        return 0
+
+
+class DeadKernel:
+    running = None
+    last_seq = 7
+
+    def __init__(self) -> None:
+        self.closed_keeping_state: bool | None = None
+
+    async def close(self, *, keep_state: bool = False) -> None:
+        self.closed_keeping_state = keep_state
 
 
 @pytest.fixture
@@ -114,4 +146,50 @@ async def test_work_on_a_hibernated_session_wakes_it_and_refusals_name_both_stat
     live.move(Transition.DIED)
     with pytest.raises(SessionClosedError, match="has ended"):
         ops.kernel_now(live, Operation.INPUT)
+    await live.fanout.close()
+
+
+async def test_a_recovery_that_cannot_start_a_sandbox_drops_the_checkpoints(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    backend = NoRoomBackend()
+    recorder = Recorder(store, Observer(), coalesce_window=0.0)
+    settings = Settings(data_dir=tmp_path)
+    guard = StorageGuard(StorageSettings(min_free_bytes=0), store.ledger, tmp_path)
+    spawned: list[Any] = []
+    continuity = Continuity(
+        settings, backend, store, recorder, BlobStore(tmp_path), guard,
+        bind=lambda live, kernel: None, spawn=spawned.append,
+    )  # fmt: skip
+    live = _live(store, SessionState.READY)
+    live.recover_crashed, live.checkpoints = True, [(2, "ckpt-2-abcdef")]
+    dead = DeadKernel()
+    with pytest.raises(SandboxError, match="no room"):
+        await continuity.recover(live, dead, "out of memory")  # type: ignore[arg-type]
+    # The dead sandbox was closed keeping its state for the successor that never came;
+    # the state (its checkpoints) goes now, and the session is recovering until the
+    # caller declares it dead.
+    assert dead.closed_keeping_state is True
+    assert backend.dropped == ["sess01"]
+    assert live.phase == SessionState.RECOVERING
+    await live.fanout.close()
+
+
+async def test_only_a_ready_session_can_crash_into_recovery(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    backend = NoRoomBackend()
+    recorder = Recorder(store, Observer(), coalesce_window=0.0)
+    guard = StorageGuard(StorageSettings(min_free_bytes=0), store.ledger, tmp_path)
+    continuity = Continuity(
+        Settings(data_dir=tmp_path), backend, store, recorder, BlobStore(tmp_path), guard,
+        bind=lambda live, kernel: None, spawn=lambda coro: None,
+    )  # fmt: skip
+    live = _live(store, SessionState.HIBERNATED)
+    live.recover_crashed, live.checkpoints = True, [(2, "ckpt-2-abcdef")]
+    with pytest.raises(
+        SessionStateError, match="a hibernated session cannot take the transition 'crashed'"
+    ):
+        await continuity.recover(live, DeadKernel(), "gone")  # type: ignore[arg-type]
+    assert backend.dropped == []
     await live.fanout.close()
