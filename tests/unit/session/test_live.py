@@ -149,23 +149,28 @@ async def test_work_on_a_hibernated_session_wakes_it_and_refusals_name_both_stat
     await live.fanout.close()
 
 
+def _continuity(store: SqliteStore, tmp_path: Path, backend: SandboxBackend) -> Continuity:
+    recorder = Recorder(store, Observer(), coalesce_window=0.0)
+    guard = StorageGuard(StorageSettings(min_free_bytes=0), store.ledger, tmp_path)
+    return Continuity(
+        Settings(data_dir=tmp_path), backend, store, recorder, BlobStore(tmp_path), guard,
+        bind=lambda live, kernel: None, spawn=lambda coro: None,
+    )  # fmt: skip
+
+
+def _crashable(store: SqliteStore, phase: SessionState) -> LiveSession:
+    live = _live(store, phase)
+    live.recover_crashed, live.checkpoints = True, [(2, "ckpt-2-abcdef")]
+    return live
+
+
 async def test_a_recovery_that_cannot_start_a_sandbox_drops_the_checkpoints(
     store: SqliteStore, tmp_path: Path
 ) -> None:
     backend = NoRoomBackend()
-    recorder = Recorder(store, Observer(), coalesce_window=0.0)
-    settings = Settings(data_dir=tmp_path)
-    guard = StorageGuard(StorageSettings(min_free_bytes=0), store.ledger, tmp_path)
-    spawned: list[Any] = []
-    continuity = Continuity(
-        settings, backend, store, recorder, BlobStore(tmp_path), guard,
-        bind=lambda live, kernel: None, spawn=spawned.append,
-    )  # fmt: skip
-    live = _live(store, SessionState.READY)
-    live.recover_crashed, live.checkpoints = True, [(2, "ckpt-2-abcdef")]
-    dead = DeadKernel()
+    live, dead = _crashable(store, SessionState.READY), DeadKernel()
     with pytest.raises(SandboxError, match="no room"):
-        await continuity.recover(live, dead, "out of memory")  # type: ignore[arg-type]
+        await _continuity(store, tmp_path, backend).recover(live, dead, "out of memory")  # type: ignore[arg-type]
     # The dead sandbox was closed keeping its state for the successor that never came;
     # the state (its checkpoints) goes now, and the session is recovering until the
     # caller declares it dead.
@@ -179,14 +184,8 @@ async def test_only_a_ready_session_can_crash_into_recovery(
     store: SqliteStore, tmp_path: Path
 ) -> None:
     backend = NoRoomBackend()
-    recorder = Recorder(store, Observer(), coalesce_window=0.0)
-    guard = StorageGuard(StorageSettings(min_free_bytes=0), store.ledger, tmp_path)
-    continuity = Continuity(
-        Settings(data_dir=tmp_path), backend, store, recorder, BlobStore(tmp_path), guard,
-        bind=lambda live, kernel: None, spawn=lambda coro: None,
-    )  # fmt: skip
-    live = _live(store, SessionState.HIBERNATED)
-    live.recover_crashed, live.checkpoints = True, [(2, "ckpt-2-abcdef")]
+    live = _crashable(store, SessionState.HIBERNATED)
+    continuity = _continuity(store, tmp_path, backend)
     with pytest.raises(
         SessionStateError, match="a hibernated session cannot take the transition 'crashed'"
     ):
