@@ -77,7 +77,7 @@ async def test_sdk_executions_take_the_fast_path_and_keys_still_run_a_cell_once(
                     for f in seen
                     if f["type"] == "event" and f["event"]["type"] == "stream"
                 ]
-                assert printed == ["ran 1\n"], seen
+                assert "".join(printed) == "ran 1\n", seen  # (one print may be two events)
             # A key used in one session is refused in another, naming the key.
             url = f"{gw.ws_url}/v1/sessions/{other.id}/stream"
             async with connect(url, additional_headers=auth(token)) as ws:
