@@ -17,7 +17,8 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     │   ├── KernelDiedError      the kernel is gone; carries the reason in words
     │   └── KernelMessageError   a kernel message failed to verify or decode (dropped, logged)
     ├── SessionError             an operation is illegal in the session's current state
-    │   └── SessionClosedError   the caller's session has ended (dead or deleted) for good
+    │   └── SessionStateError    refused by the state machine; names the state and the operation
+    │       └── SessionClosedError  the caller's session has ended (dead or deleted) for good
     ├── NotFoundError            no such session/execution — or it belongs to someone else
     ├── AuthError                missing, unknown or revoked token; or not an admin
     │   └── ForbiddenError       not allowed from here (a browser origin off the allowlist)
@@ -105,7 +106,20 @@ class SessionError(KernelhubError):
     """An operation is illegal in the session's current state."""
 
 
-class SessionClosedError(SessionError):
+class SessionStateError(SessionError):
+    """The session's state machine (``session/state.py``) refused an operation; ``state``
+    is the state it was in and ``operation`` what was attempted (either may be None when
+    raised from outside the state machine)."""
+
+    def __init__(
+        self, message: str, *, state: str | None = None, operation: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.state = state
+        self.operation = operation
+
+
+class SessionClosedError(SessionStateError):
     """The caller's session has ended (its kernel died for good, or it was deleted); only
     its owner learns this, anyone else gets ``NotFoundError``. Create a new one."""
 

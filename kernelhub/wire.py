@@ -79,6 +79,7 @@ class SessionState(StrEnum):
     BUSY = "busy"
     PAUSED = "paused"
     HIBERNATED = "hibernated"  # checkpointed, sandbox removed; wakes on next use
+    RECOVERING = "recovering"  # its kernel died; coming back from its last checkpoint
     DEAD = "dead"
     DELETED = "deleted"
 

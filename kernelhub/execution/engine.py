@@ -177,9 +177,42 @@ class KernelSession:
     def alive(self) -> bool:
         return self._exit is None and not self._closed
 
-    @property
-    def exit_info(self) -> ExitInfo | None:
-        return self._exit
+    # -- for the session layer: what it did through this object's privates and its
+    # sandbox before (the sandbox contract names the engine as the sandbox's only caller)
+
+    def next_seq(self) -> int:
+        """Take the next sequence number, for an event the session layer makes itself."""
+        return self._next_seq()
+
+    def advance_seq(self, seq: int) -> None:
+        """Continue numbering after ``seq`` (events the session layer stored itself)."""
+        self._seq = max(self._seq, seq)
+
+    def publish(self, event: Event) -> None:
+        """Hand an event of no running cell to the listeners, in order with the engine's."""
+        self._emit(None, event)
+
+    def notice(self, message: str) -> None:
+        """A session-wide notice (a restart, a rewind, a recovery) on the event stream."""
+        self.publish(NoticeEvent(execution_id="", seq=self._next_seq(), message=message))
+
+    async def wait_exit(self) -> ExitInfo:
+        return await self.sandbox.wait_exit()
+
+    def usage(self) -> ResourceUsage:
+        return self.sandbox.usage()
+
+    async def write_file(self, path: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        return await self.sandbox.write_file(path, chunks, max_bytes)
+
+    def read_file(self, path: str, max_bytes: int) -> AsyncIterator[bytes]:
+        return self.sandbox.read_file(path, max_bytes)
+
+    def pack_snapshot(self, name: str, max_bytes: int) -> AsyncIterator[bytes]:
+        return self.sandbox.pack_snapshot(name, max_bytes)
+
+    async def unpack_snapshot(self, name: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        return await self.sandbox.unpack_snapshot(name, chunks, max_bytes)
 
     @property
     def kernel_info(self) -> dict[str, Any]:

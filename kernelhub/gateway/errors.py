@@ -31,6 +31,7 @@ from kernelhub.errors import (
     SandboxError,
     SessionClosedError,
     SessionError,
+    SessionStateError,
     StorageFullError,
     TooLargeError,
 )
@@ -50,6 +51,7 @@ STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
     (MediaTypeError, 415, "unsupported_media_type"),
     (InvalidRequestError, 400, "invalid_request"),
     (SessionClosedError, 410, "session_ended"),
+    (SessionStateError, 409, "conflict"),
     (SessionError, 409, "conflict"),
     (StoreError, 409, "conflict"),
     (ImageError, 503, "image_unavailable"),

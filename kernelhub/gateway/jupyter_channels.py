@@ -32,7 +32,7 @@ from kernelhub.jupyter.messages import Message, Origin, Translator
 from kernelhub.models import ExecutionStatus
 from kernelhub.session.manager import LiveSession, SessionManager
 from kernelhub.store.sqlite import Principal
-from kernelhub.wire import ExecutionCreate
+from kernelhub.wire import ExecutionCreate, SessionState
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -151,7 +151,8 @@ class Connection:
         while True:
             while (item := await sub.get()) is not None:
                 event = json.loads(item.body)
-                code = self.live.codes.get(item.execution_id)
+                flight = self.live.inflight.get(item.execution_id)
+                code = flight.code if flight else None
                 for msg in self.translator.translate(event, code):
                     await self.send(msg)
             if sub.closed:
@@ -281,13 +282,9 @@ class Connection:
         )
         # The origin is registered before this coroutine yields again: the execution's
         # events reach the pump only after a store commit, which cannot run in between.
-        submitted = self.manager.submit_now(self.principal, self.live.id, body, self.client)
-        if submitted is not None:
-            execution_id = submitted[0].id
-        else:
-            row, _, _ = await self.manager.submit(self.principal, self.live.id, body, self.client)
-            execution_id = row.id
-        self.translator.sent(execution_id, origin, code)
+        # (submit's fast case does not suspend: an awake kernel gets the cell inline.)
+        row, _, _ = await self.manager.submit(self.principal, self.live.id, body, self.client)
+        self.translator.sent(row.id, origin, code)
 
     async def _input_reply(self, value: str) -> None:
         running = self.live.kernel.running if self.live.kernel else None
@@ -297,8 +294,8 @@ class Connection:
         await self.manager.send_input(self.principal, running.id, value)
 
     def _idle_kernel(self) -> Any:
-        kernel = self.live.kernel
-        if kernel is None or not kernel.alive or kernel.running is not None or kernel.queue_length:
+        kernel = self.live.kernel  # idle: the state machine's ready, nothing queued
+        if self.live.state != SessionState.READY or kernel is None or kernel.queue_length:
             return None
         return kernel
 

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kernelhub.models import ExecutionRecord, ExecutionStatus
+from kernelhub.wire import SessionState
 
 if TYPE_CHECKING:
     from kernelhub.session.batches import BatchRunner
@@ -48,6 +49,11 @@ class Metrics:
         self.batch_wait_seconds = Histogram(
             "kernelhub_batch_queue_wait_seconds", "Time batch items waited for a slot",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.ws_executes = Counter(
+            "kernelhub_ws_executes", "Executions submitted over WebSocket streams, by path: "
+            "fast (to the kernel from the frame's own receive callback) or queued (ASGI)",
+            ["path"], registry=self.registry,
         )  # fmt: skip
         self.batch_items = Counter(
             "kernelhub_batch_items", "Finished batch items by status", ["status"],
@@ -110,17 +116,16 @@ class _LiveCollector(Collector):
         queued = GaugeMetricFamily("kernelhub_queue_length", "Executions waiting, all sessions")
         total_queued = 0
         for live in self.manager.sessions.values():
-            state = live.state.value
-            if live.kernel is not None and live.kernel.running is not None and state == "ready":
-                state = "busy"
+            state = live.state.value  # the state machine's, as GET /v1/sessions/{id} says
             by_state[state] = by_state.get(state, 0) + 1
             if live.kernel is not None and live.kernel.alive:
                 total_queued += live.kernel.queue_length
         sessions = GaugeMetricFamily(
             "kernelhub_sessions", "Live sessions by state", labels=["state"]
         )
-        for state in ("starting", "ready", "busy", "dead"):
-            sessions.add_metric([state], by_state.get(state, 0))
+        for state in SessionState:
+            if state != SessionState.DELETED:  # deleted sessions are not held
+                sessions.add_metric([state.value], by_state.get(state.value, 0))
         queued.add_metric([], total_queued)
         yield sessions
         yield queued
@@ -156,7 +161,7 @@ class _SessionCollector(Collector):
         )
         for live in self.manager.sessions.values():
             if live.kernel is not None and live.kernel.alive:
-                usage = live.kernel.sandbox.usage()
+                usage = live.kernel.usage()
                 if usage.cpu_seconds is not None:
                     cpu.add_metric([live.id], usage.cpu_seconds)
                 if usage.memory_bytes is not None:

@@ -15,6 +15,7 @@ import logging
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import TypeAdapter, ValidationError
 
+from kernelhub import eager
 from kernelhub.errors import (
     AuthError,
     KernelhubError,
@@ -22,6 +23,7 @@ from kernelhub.errors import (
     QuotaError,
     SessionClosedError,
 )
+from kernelhub.execution.engine import ExecutionHandle
 from kernelhub.gateway.auth import authenticate, check_scope, client_address, websocket_token
 from kernelhub.gateway.connections import StreamRegistry
 from kernelhub.gateway.errors import close_code_for, response_for, status_for
@@ -35,7 +37,7 @@ from kernelhub.models import QUIET_EVENT_TYPES
 from kernelhub.replay import Replay, Verdict
 from kernelhub.session.fanout import Published, Subscriber
 from kernelhub.session.manager import LiveSession, SessionManager
-from kernelhub.store.sqlite import Principal
+from kernelhub.store.sqlite import Principal, StoredExecution
 from kernelhub.wire import (
     AcceptedFrame,
     ClientFrame,
@@ -319,13 +321,19 @@ async def _receive(
 ) -> None:
     client = client_address(ws)
     window = manager.settings.gateway.coalesce_window
+    taken = ws.app.state.metrics.ws_executes
     busy = False  # a frame is being handled here: later ones queue behind it
+    # An execute taken on the fast path that had to wait (its idempotency key's round
+    # trip to the store, a wake-up): frames after it are handled once it is done.
+    ahead: asyncio.Future[None] | None = None
 
     def execute_now(text: str) -> bool:
         # The frame that matters most, an `execute`, goes to the kernel as it arrives,
-        # without ASGI's queue and a task switch (~0.2 ms a cell here); anything else, or
-        # an execute that has to wait or fails, takes the usual path below.
-        if busy or len(text) > _MAX_FRAME_CHARS or principal.read_only:
+        # without ASGI's queue and a task switch (~0.2 ms a cell here): submit runs in
+        # this very call up to its first suspension (none for an awake kernel without a
+        # key). Anything else, or an execute refused at once, takes the usual path below.
+        nonlocal ahead
+        if busy or ahead is not None or len(text) > _MAX_FRAME_CHARS or principal.read_only:
             return False
         try:
             frame = _CLIENT_FRAME.validate_json(text)
@@ -334,14 +342,23 @@ async def _receive(
             body = _execution_create(frame)
         except ValidationError:
             return False
-        try:
-            submitted = manager.submit_now(principal, live.id, body, client)
-        except KernelhubError:
+        submitted = eager.start(manager.submit(principal, live.id, body, client))
+        if submitted.done() and submitted.exception() is not None:
             return False  # nothing was queued: the usual path says what went wrong
-        if submitted is None:
-            return False
-        _accept(manager, sender, frame, submitted[0].id, window)
+        taken.labels("fast").inc()
+        if submitted.done():
+            _accept(manager, sender, frame, submitted.result()[0].id, window)
+            return True
+        ahead = later = asyncio.ensure_future(_accept_later(submitted, sender, manager, frame))
+        later.add_done_callback(arrived)
         return True
+
+    def arrived(fut: asyncio.Future[None]) -> None:
+        nonlocal ahead
+        if ahead is fut:
+            ahead = None
+        if not fut.cancelled() and fut.exception() is not None:
+            log.info("session %s: an accepted frame was not sent: %s", live.id, fut.exception())
 
     offer = ws.scope.get("extensions", {}).get(RECEIVE_TEXT_NOW)
     if offer is not None:
@@ -353,12 +370,16 @@ async def _receive(
             except (WebSocketDisconnect, RuntimeError, KeyError):
                 return  # the client left (binary frames are refused the same way)
             busy = True
+            if (pending := ahead) is not None:  # in order: after the execute on its way
+                await asyncio.wait([pending])
             request_id = None
             try:
                 if len(text) > _MAX_FRAME_CHARS:
                     raise ValueError(f"frame larger than {_MAX_FRAME_CHARS} characters")
                 frame = _CLIENT_FRAME.validate_json(text)
                 request_id = frame.request_id
+                if isinstance(frame, ExecuteFrame):
+                    taken.labels("queued").inc()
                 await _handle(frame, sender, manager, principal, live, client)
             except ValidationError as exc:
                 request_id = request_id_of(text)
@@ -400,6 +421,23 @@ def _accept(
     comes with it, it may wait briefly for the cell's next frame."""
     text = AcceptedFrame(request_id=frame.request_id, execution_id=execution_id).model_dump_json()
     manager.when_stored(execution_id, lambda: sender.send_soon(text, wait=window))
+
+
+async def _accept_later(
+    submitted: asyncio.Future[tuple[StoredExecution, ExecutionHandle | None, bool]],
+    sender: _Sender,
+    manager: SessionManager,
+    frame: ExecuteFrame,
+) -> None:
+    """The end of a fast-path execute that had to wait: ``accepted``, or its error."""
+    try:
+        row, _, _ = await submitted
+    except KernelhubError as exc:
+        _, code = status_for(exc)
+        error = ErrorFrame(request_id=frame.request_id, error=code, message=str(exc))
+        await sender.send(error.model_dump_json())
+        return
+    _accept(manager, sender, frame, row.id, manager.settings.gateway.coalesce_window)
 
 
 def _execution_create(frame: ExecuteFrame) -> ExecutionCreate:

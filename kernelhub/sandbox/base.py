@@ -1,7 +1,9 @@
 """The one seam between kernelhub and whatever isolates a kernel.
 
 A :class:`SandboxBackend` makes :class:`Sandbox` objects; a ``KernelSession`` (the engine)
-owns exactly one sandbox and is the only caller of its methods. Implementations:
+owns exactly one sandbox and is the only caller of its methods. The session layer needs
+some of them too (the death watch, files, usage, moving snapshots in and out): it calls
+the engine's delegating methods of the same names, never the sandbox. Implementations:
 ``docker.DockerBackend`` (the default, one hardened container per sandbox) and
 ``local.LocalBackend`` (a host process, in bubblewrap namespaces when available).
 

@@ -4,9 +4,12 @@ Snapshots (captured inside the sandbox, stored as opaque blobs bound to their ow
 checkpoints after cells and rewind to one of them, recovery of a crashed kernel from
 its last checkpoint, and hibernation (snapshot, remove the sandbox, wake on next use).
 
-A mixin of :class:`~kernelhub.session.manager.SessionManager`: these operations change
-which kernel a session has, so they share the manager's session table, store and
-locks; they live here so the manager itself stays about sessions and executions.
+A collaborator of :class:`~kernelhub.session.manager.SessionManager`, not part of it:
+the manager resolves the caller's session (ownership, the state machine, waking) and
+hands over the :class:`LiveSession` and its kernel; continuity is given, when it is
+made, only what it needs besides: the settings, the sandbox backend, the snapshot rows
+and blobs, the recorder, and ``bind`` (attach a new kernel to a session: listeners,
+checkpoint hook, death watch) and ``spawn`` (a task the manager owns).
 """
 
 from __future__ import annotations
@@ -16,23 +19,23 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kernelhub.config import Settings
 from kernelhub.errors import KernelError, KernelhubError, NotFoundError, SessionError
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
-from kernelhub.models import ExecutionStatus, NoticeEvent
+from kernelhub.models import ExecutionStatus
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
+from kernelhub.session.live import LiveSession
+from kernelhub.session.recorder import Recorder
+from kernelhub.session.state import SessionState, Transition
 from kernelhub.snapshot import calls
 from kernelhub.snapshot.blobs import BlobStore
+from kernelhub.store.quota import StorageGuard
 from kernelhub.store.sqlite import AuditEntry, Principal, SqliteStore, StoredSnapshot
-from kernelhub.wire import RestoreReport, RewindReport, SessionState, SnapshotInfo
-
-if TYPE_CHECKING:
-    from kernelhub.session.manager import LiveSession
-    from kernelhub.store.quota import StorageGuard
+from kernelhub.wire import RestoreReport, RewindReport, SnapshotInfo
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +43,29 @@ log = logging.getLogger(__name__)
 class Continuity:
     """Snapshots, checkpoints, rewind, crash recovery and hibernation (see the module)."""
 
-    if TYPE_CHECKING:  # provided by SessionManager
-        settings: Settings
-        backend: SandboxBackend
-        store: SqliteStore
-        blobs: BlobStore
-        storage: StorageGuard
-        sessions: dict[str, LiveSession]
-
-        async def _get(self, principal: Principal, session_id: str) -> LiveSession: ...
-        def _bind(self, live: LiveSession, kernel: KernelSession) -> None: ...
-        def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
-        async def _awake(self, live: LiveSession) -> KernelSession: ...
+    def __init__(
+        self,
+        settings: Settings,
+        backend: SandboxBackend,
+        store: SqliteStore,
+        recorder: Recorder,
+        blobs: BlobStore,
+        storage: StorageGuard,
+        *,
+        bind: Callable[[LiveSession, KernelSession], None],
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.snapshots_store = store  # snapshot rows only; the recorder writes the rest
+        self.recorder = recorder
+        self.blobs = blobs
+        self.storage = storage
+        self._bind = bind
+        self._spawn = spawn
 
     @staticmethod
-    async def _final_out(dead: KernelSession) -> None:
+    async def final_out(dead: KernelSession) -> None:
         """Let the dead kernel's running cell end (its ``kernel_died`` final record is
         emitted from the engine's own task) before the kernel is closed; at most 3 s."""
         for _ in range(300):
@@ -62,12 +73,21 @@ class Continuity:
                 break
             await asyncio.sleep(0.01)
 
-    async def _recover(self, live: LiveSession, dead: KernelSession, reason: str) -> None:
+    async def recover(self, live: LiveSession, dead: KernelSession, reason: str) -> None:
         """A fresh sandbox for the same session, restored from the last checkpoint (they
         live in the session's state directory, which outlives sandboxes). The event stream
-        says so and names the executions whose effects were lost."""
-        await self._final_out(dead)
-        live.state = SessionState.STARTING
+        says so and names the executions whose effects were lost. If that fails, the
+        checkpoints go with the session (the caller declares it dead)."""
+        await self.final_out(dead)
+        live.move(Transition.CRASHED)
+        try:
+            await self._recover(live, dead, reason)
+        except BaseException:
+            with contextlib.suppress(KernelhubError):
+                await self.backend.drop_state(live.id)
+            raise
+
+    async def _recover(self, live: LiveSession, dead: KernelSession, reason: str) -> None:
         after, directory = live.checkpoints[-1]
         saved = list(live.checkpoints)
         lost = list(live.since_checkpoint)
@@ -94,7 +114,7 @@ class Continuity:
             await kernel.close()
             raise
         live.since_checkpoint = []
-        live.state = SessionState.READY
+        live.move(Transition.RECOVERED)
         failed = dict(result.get("failed", {}))
         message = (
             f"the kernel died ({reason}); recovered in {time.monotonic() - t0:.2f} s in a fresh "
@@ -102,11 +122,9 @@ class Continuity:
             + (f"; the effects of these executions were lost: {', '.join(lost)}" if lost else "")
             + (f"; not restored: {failed}" if failed else "")
         )
-        kernel._emit(None, NoticeEvent(execution_id="", seq=kernel._next_seq(), message=message))
-        await self.store.update_session(
-            live.id, state=SessionState.READY.value, reason=f"recovered: {reason}"
-        )
-        await self.store.audit(
+        kernel.notice(message)
+        await self.recorder.phase(live, reason=f"recovered: {reason}")
+        await self.recorder.audit(
             AuditEntry(
                 principal=None,
                 action="session.recover",
@@ -119,7 +137,7 @@ class Continuity:
 
     _MAX_CHECKPOINTS = 32
 
-    async def _checkpoint(
+    async def checkpoint(
         self, live: LiveSession, kernel: KernelSession, handle: ExecutionHandle
     ) -> None:
         """After a successful cell (the engine calls this before the next one starts):
@@ -151,39 +169,33 @@ class Continuity:
             await kernel.call_now(calls.remove(old), {}, timeout=60)
 
     async def restart(
-        self, principal: Principal, session_id: str, client: str | None = None
+        self, principal: Principal, live: LiveSession, kernel: KernelSession, client: str | None
     ) -> None:
         """A fresh kernel in the same sandbox: variables gone, files kept. It waits its
         turn behind the cells queued before it (interrupt a stuck one first)."""
-        live = await self._get(principal, session_id)
-        kernel = await self._awake(live)
         t0 = time.monotonic()
         await kernel.exclusive(kernel.restart)
-        kernel._emit(
-            None,
-            NoticeEvent(
-                execution_id="",
-                seq=kernel._next_seq(),
-                message="the kernel was restarted: variables are gone, files are kept",
-            ),
-        )
-        await self.store.audit(
+        kernel.notice("the kernel was restarted: variables are gone, files are kept")
+        await self.recorder.audit(
             AuditEntry(
                 principal=principal.token or principal.name,
                 action="session.restart",
-                session_id=session_id,
+                session_id=live.id,
                 client=client,
                 duration=time.monotonic() - t0,
             )
         )
 
     async def rewind(
-        self, principal: Principal, session_id: str, before_cell: int, client: str | None = None
+        self,
+        principal: Principal,
+        live: LiveSession,
+        kernel: KernelSession,
+        before_cell: int,
+        client: str | None,
     ) -> RewindReport:
         """Back to the state before cell ``before_cell``: a fresh kernel in the same sandbox,
         restored from the checkpoint taken after the cell before it."""
-        live = await self._get(principal, session_id)
-        kernel = await self._awake(live)
         t0 = time.monotonic()
 
         async def rewind_now() -> RewindReport:
@@ -221,19 +233,15 @@ class Continuity:
             )
 
         report = await kernel.exclusive(rewind_now)
-        kernel._emit(
-            None,
-            NoticeEvent(
-                execution_id="",
-                seq=kernel._next_seq(),
-                message=f"rewound to the state before cell {before_cell}; the effects of cells {before_cell} and later are undone (files written since are kept)",
-            ),
+        kernel.notice(
+            f"rewound to the state before cell {before_cell}; the effects of cells "
+            f"{before_cell} and later are undone (files written since are kept)"
         )
-        await self.store.audit(
+        await self.recorder.audit(
             AuditEntry(
                 principal=principal.name,
                 action="session.rewind",
-                session_id=session_id,
+                session_id=live.id,
                 client=client,
                 duration=report.duration,
                 detail={"before_cell": before_cell, "failed": report.failed},
@@ -243,7 +251,7 @@ class Continuity:
 
     # -- hibernation -------------------------------------------------------------------
 
-    async def _hibernate_idle(self) -> None:
+    async def hibernate_idle(self, sessions: Callable[[], Iterable[LiveSession]]) -> None:
         """Every few seconds: snapshot and remove the sandbox of each session idle for
         ``hibernate_after`` seconds. It wakes, transparently, on its next use.
 
@@ -262,27 +270,15 @@ class Continuity:
         async with asyncio.TaskGroup() as group:
             while True:
                 await asyncio.sleep(min(after / 2, 5.0))
-                for sid in failures.keys() - self.sessions.keys():
+                current = list(sessions())
+                for sid in failures.keys() - {live.id for live in current}:
                     del failures[sid]
-                for live in list(self.sessions.values()):
+                for live in current:
                     wait = idle_wait(after, failures.get(live.id, 0))
-                    if live.id not in going and self._idle(live, wait):
+                    if live.id not in going and live.idle_for(wait):
                         going.add(live.id)
                         turn = self._hibernate_in_turn(live, after, slots, going, failures)
                         group.create_task(turn)
-
-    @staticmethod
-    def _idle(live: LiveSession, seconds: float) -> bool:
-        kernel = live.kernel
-        return (
-            live.state == SessionState.READY
-            and kernel is not None
-            and kernel.alive
-            and not kernel.paused
-            and kernel.running is None
-            and kernel.queue_length == 0
-            and time.monotonic() - live.last_active >= seconds
-        )
 
     async def _hibernate_in_turn(
         self,
@@ -297,7 +293,7 @@ class Continuity:
         try:
             async with slots:
                 # It may have been used while it waited for the slot.
-                if self._idle(live, idle_wait(after, failures.get(live.id, 0))):
+                if live.idle_for(idle_wait(after, failures.get(live.id, 0))):
                     await self.hibernate(live)
                     failures.pop(live.id, None)
         except Exception as exc:
@@ -325,7 +321,7 @@ class Continuity:
         async with live.wake_lock:
             kernel = live.kernel
             if live.state != SessionState.READY or kernel is None:
-                return
+                return  # in use, paused, dying, or gone meanwhile
             owner = Principal(name=live.stored.owner)
             t0 = time.monotonic()
             try:
@@ -343,20 +339,21 @@ class Continuity:
             if kernel.running is not None or kernel.queue_length or live.last_active > t0:
                 # Used meanwhile (a cell was queued behind the capture): closing now would
                 # cut that cell short and wake to the state from before it.
-                await self.store.delete_snapshot(info.id)
-                self.blobs.remove(info.id)
+                await self.drop_snapshot(info.id)
                 log.info("session %s was used while hibernating; it stays awake", live.id)
                 return
-            live.kernel = None
             # Listed as hibernated only once the sandbox is really gone; a request that
-            # arrives meanwhile waits on the lock (see _awake) and then wakes the session.
-            await kernel.close()
-            live.hibernation = info.id
-            live.state = SessionState.HIBERNATED
-            await self.store.update_session(
-                live.id, state=SessionState.HIBERNATED.value, reason=f"hibernation:{info.id}"
-            )
-            await self.store.audit(
+            # arrives meanwhile waits (the state machine: ready, with no kernel yet), then
+            # finds it hibernated and wakes it, after this lock.
+            live.kernel, live.hibernating = None, True
+            try:
+                await kernel.close()
+            finally:
+                live.hibernating = False
+                live.hibernation = info.id
+                live.move(Transition.HIBERNATE)
+            await self.recorder.phase(live)
+            await self.recorder.audit(
                 AuditEntry(
                     principal=None,
                     action="session.hibernate",
@@ -366,10 +363,13 @@ class Continuity:
             )
             log.info("session %s hibernated (snapshot %s)", live.id, info.id)
 
-    def _recoverable(self, live: LiveSession) -> bool:
-        return bool(live.checkpoints) and self.settings.gateway.recover_crashed
+    async def drop_snapshot(self, snapshot_id: str) -> None:
+        await self.snapshots_store.delete_snapshot(snapshot_id)
+        self.blobs.remove(snapshot_id)
 
-    async def _wake(self, live: LiveSession) -> None:
+    async def wake(self, live: LiveSession, first_seq: int) -> None:
+        """Bring a hibernated session back (its caller holds ``live.wake_lock``): a new
+        sandbox, the hibernation snapshot restored into it, then dropped."""
         assert live.hibernation is not None
         t0 = time.monotonic()
         owner = Principal(name=live.stored.owner)
@@ -377,45 +377,37 @@ class Continuity:
             self.backend,
             SandboxSpec(session_id=live.id, owner=live.stored.owner, limits=live.limits),
             engine=self.settings.engine,
-            first_seq=await self.store.last_seq(live.id),
+            first_seq=first_seq,
         )
         self._bind(live, kernel)
         try:
-            report = await self._restore_into(owner, live, kernel, live.hibernation)
+            report = await self.restore_into(owner, live, kernel, live.hibernation)
         except BaseException:
             await kernel.close()
             live.kernel = None
             raise
-        live.state = SessionState.READY
-        await self.store.update_session(live.id, state=SessionState.READY.value, reason="")
         snapshot, live.hibernation = live.hibernation, None
-        await self.store.delete_snapshot(snapshot)
-        self.blobs.remove(snapshot)
+        live.move(Transition.WOKE)
+        await self.recorder.phase(live, reason="")
+        await self.drop_snapshot(snapshot)
         message = (
             f"woke from hibernation in {time.monotonic() - t0:.2f} s: "
             f"{len(report.restored)} variables restored"
             + (f", not restored: {report.failed}" if report.failed else "")
         )
-        kernel._emit(None, NoticeEvent(execution_id="", seq=kernel._next_seq(), message=message))
+        kernel.notice(message)
 
     # -- snapshots ---------------------------------------------------------------------
 
     async def snapshot(
-        self,
-        principal: Principal,
-        session_id: str,
-        client: str | None = None,
-        *,
-        kind: str = "snapshot",
+        self, principal: Principal, live: LiveSession, kernel: KernelSession, client: str | None
     ) -> SnapshotInfo:
         """Capture the namespace and /workspace inside the sandbox, move the result out as
         an opaque blob, bind it to its owner with a MAC. The host never opens it."""
-        live = await self._get(principal, session_id)
-        if kind == "snapshot":  # a low disk refuses snapshots; hibernation frees memory
-            self.storage.check_disk()
-        kernel = await self._awake(live)
         timeout = self.settings.gateway.snapshot_timeout
-        return await self._capture(principal, live, kernel, client, kind=kind, timeout=timeout)
+        return await self._capture(
+            principal, live, kernel, client, kind="snapshot", timeout=timeout
+        )
 
     async def _capture(
         self,
@@ -440,7 +432,7 @@ class Continuity:
         limit = self.settings.gateway.max_snapshot_bytes
         try:
             size, sha256 = await self.blobs.write(
-                snapshot_id, kernel.sandbox.pack_snapshot(name, limit), limit
+                snapshot_id, kernel.pack_snapshot(name, limit), limit
             )
         finally:
             self._spawn(self._remove_capture(kernel, name))
@@ -462,8 +454,8 @@ class Continuity:
             mac=self.blobs.mac(snapshot_id, live.stored.owner, sha256),
             metadata=metadata,
         )
-        await self.store.insert_snapshot(stored)
-        await self.store.audit(
+        await self.snapshots_store.insert_snapshot(stored)
+        await self.recorder.audit(
             AuditEntry(
                 principal=principal.name,
                 action="snapshot.create",
@@ -483,21 +475,20 @@ class Continuity:
             await kernel.call(calls.remove(name), {}, timeout=60)
 
     async def snapshots(self, principal: Principal) -> list[SnapshotInfo]:
-        stored = await self.store.list_snapshots(principal.name)
+        stored = await self.snapshots_store.list_snapshots(principal.name)
         return [_snapshot_info(s) for s in stored if s.metadata.get("kind") != "hibernation"]
 
     async def get_snapshot(self, principal: Principal, snapshot_id: str) -> StoredSnapshot:
-        snap = await self.store.get_snapshot(snapshot_id)
+        snap = await self.snapshots_store.get_snapshot(snapshot_id)
         if snap is None or snap.owner != principal.name:
             raise NotFoundError(f"no snapshot {snapshot_id!r} (or it is not yours)")
         return snap
 
     async def delete_snapshot(self, principal: Principal, snapshot_id: str) -> None:
         snap = await self.get_snapshot(principal, snapshot_id)
-        await self.store.delete_snapshot(snap.id)
-        self.blobs.remove(snap.id)
+        await self.drop_snapshot(snap.id)
 
-    async def _restore_into(
+    async def restore_into(
         self, principal: Principal, live: LiveSession, kernel: KernelSession, snapshot_id: str
     ) -> RestoreReport:
         """Only the owner restores; the blob's MAC is checked before any sandbox sees it,
@@ -507,7 +498,7 @@ class Continuity:
         name = f"restore-{uuid.uuid4().hex[:12]}"
         t0 = time.monotonic()
         limit = self.settings.gateway.max_snapshot_bytes
-        await kernel.sandbox.unpack_snapshot(name, self.blobs.read(snap.id), limit)
+        await kernel.unpack_snapshot(name, self.blobs.read(snap.id), limit)
         result = calls.result(
             await kernel.call(
                 calls.restore(name), calls.RESULT, timeout=self.settings.gateway.snapshot_timeout
@@ -523,7 +514,7 @@ class Continuity:
             execution_count=result.get("execution_count"),
             duration=time.monotonic() - t0,
         )
-        await self.store.audit(
+        await self.recorder.audit(
             AuditEntry(
                 principal=principal.name,
                 action="snapshot.restore",

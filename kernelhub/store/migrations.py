@@ -65,8 +65,22 @@ def _scoped_tokens(db: sqlite3.Connection) -> None:
         db.execute(sql)
 
 
+def _hibernation_column(db: sqlite3.Connection) -> None:
+    """Version 4: a hibernated session's snapshot in a column of its own, no longer
+    encoded in the free-text reason as ``hibernation:<id>``."""
+    db.execute("ALTER TABLE sessions ADD COLUMN hibernation_snapshot TEXT")
+    db.execute(
+        "UPDATE sessions SET hibernation_snapshot = substr(reason, 13), reason = NULL"
+        " WHERE state = 'hibernated' AND reason LIKE 'hibernation:%'"
+    )
+
+
 # Version N+1 is reached by MIGRATIONS[N - 1]; append, never edit or reorder.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_storage, _scoped_tokens]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
+    _storage,
+    _scoped_tokens,
+    _hibernation_column,
+]
 LATEST = 1 + len(MIGRATIONS)
 
 

@@ -176,6 +176,7 @@ class StoredSession(BaseModel):
     reason: str | None
     deleted_at: datetime | None
     stored_bytes: int = 0
+    hibernation: str | None = None  # the snapshot a hibernated session wakes from
 
 
 class StoredExecution(BaseModel):
@@ -612,17 +613,26 @@ class SqliteStore:
         await self._run(insert)
 
     async def update_session(
-        self, session_id: str, *, state: str, reason: str | None = None, deleted: bool = False
+        self,
+        session_id: str,
+        *,
+        state: str,
+        reason: str | None = None,
+        deleted: bool = False,
+        hibernation: str | None = None,
     ) -> None:
+        """``hibernation``: the snapshot a hibernated session wakes from (schema v4); any
+        other state clears it."""
         # ended_at starts a dead or deleted session's retention period (retention.py).
         at = now_iso()
         await self._run(
             self._q,
             "UPDATE sessions SET state = ?, reason = COALESCE(?, reason),"
             " deleted_at = CASE WHEN ? THEN ? ELSE deleted_at END,"
-            " ended_at = CASE WHEN ? IN ('dead', 'deleted') THEN COALESCE(ended_at, ?) END"
+            " ended_at = CASE WHEN ? IN ('dead', 'deleted') THEN COALESCE(ended_at, ?) END,"
+            " hibernation_snapshot = ?"
             " WHERE id = ?",
-            (state, reason, int(deleted), at, state, at, session_id),
+            (state, reason, int(deleted), at, state, at, hibernation, session_id),
         )
 
     async def get_session(self, session_id: str) -> StoredSession | None:
@@ -1186,6 +1196,7 @@ def _session(r: sqlite3.Row) -> StoredSession:
         reason=r[7],
         deleted_at=datetime.fromisoformat(r[8]) if r[8] else None,
         stored_bytes=int(r[10] or 0) if len(r) > 10 else 0,  # ended_at, stored_bytes: v2
+        hibernation=r[11] if len(r) > 11 else None,  # v4
     )
 
 

@@ -1,0 +1,147 @@
+"""One live session: what the gateway holds in memory for each session it serves.
+
+Its lifecycle phase (moved only through :func:`kernelhub.session.state.advance`), its
+kernel, one :class:`InFlight` record per execution submitted and not finished, its
+checkpoints, and its fan-out (the store writer and live subscribers of its events). The
+state clients see is :attr:`LiveSession.state`, derived by the state machine and nowhere
+else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from kernelhub.config import Limits
+from kernelhub.execution.engine import KernelSession
+from kernelhub.models import ExecutionStatus
+from kernelhub.session import state as machine
+from kernelhub.session.fanout import SessionFanout
+from kernelhub.session.state import Operation, SessionState, Transition, Verdict
+from kernelhub.store.sqlite import Principal, StoredSession
+from kernelhub.wire import SessionInfo
+
+
+@dataclass
+class InFlight:
+    """An execution submitted and not finished: who asked, what, from where (its audit
+    entry is written from this once its final record is stored)."""
+
+    principal: str
+    code: str
+    client: str | None = None
+
+
+@dataclass
+class LiveSession:
+    stored: StoredSession
+    limits: Limits
+    fanout: SessionFanout
+    kernel: KernelSession | None = None
+    phase: SessionState = SessionState.STARTING
+    reason: str | None = None
+    inflight: dict[str, InFlight] = field(default_factory=dict)  # by execution id
+    last_active: float = field(default_factory=time.monotonic)
+    recover_crashed: bool = False  # KERNELHUB_GATEWAY__RECOVER_CRASHED
+    checkpoint_policy: str | float = "off"
+    since_checkpoint: list[str] = field(default_factory=list)  # executions after the last one
+    # (execution count after which it was taken, directory in the sandbox), oldest first
+    checkpoints: list[tuple[int, str]] = field(default_factory=list)
+    last_checkpoint_at: float = 0.0
+    hibernation: str | None = None  # the snapshot a hibernated session wakes from
+    warm: bool = False  # its sandbox came from the warm pool
+    hibernating: bool = False  # its sandbox is being removed for hibernation
+    wake_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def id(self) -> str:
+        return self.stored.id
+
+    @property
+    def recoverable(self) -> bool:
+        """Whether a crash of its kernel brings it back (from its last checkpoint)."""
+        return bool(self.checkpoints) and self.recover_crashed
+
+    @property
+    def state(self) -> SessionState:
+        kernel = self.kernel
+        return machine.observe(
+            self.phase,
+            alive=kernel is not None and kernel.alive,
+            paused=kernel is not None and kernel.paused,
+            running=kernel is not None and kernel.running is not None,
+            recoverable=self.recoverable,
+            hibernating=self.hibernating,
+        )
+
+    def move(self, transition: Transition) -> SessionState:
+        self.phase = machine.advance(self.phase, transition)
+        return self.phase
+
+    def allows(self, operation: Operation) -> Verdict:
+        """What ``operation`` does now (see :func:`state.check`, which raises refusals)."""
+        return machine.check(self.id, self.state, operation, self.reason)
+
+    def ready_kernel(self, operation: Operation = Operation.EXECUTE) -> KernelSession | None:
+        """The kernel, if ``operation`` may use it right now (no wake-up, no recovery to
+        wait for); None if it must wait; the state machine's refusal otherwise."""
+        if self.allows(operation) is Verdict.RUN:
+            return self.kernel
+        return None
+
+    def finished(self, execution_id: str) -> None:
+        """An execution's final event: the session is active, and (with checkpoints) the
+        execution's effects are not in a checkpoint yet."""
+        self.last_active = time.monotonic()
+        if self.checkpoints or self.checkpoint_policy != "off":
+            self.since_checkpoint.append(execution_id)
+
+    def idle_for(self, seconds: float) -> bool:
+        """Idle (ready, nothing queued) for at least ``seconds``: a hibernation candidate."""
+        kernel = self.kernel
+        return (
+            self.state == SessionState.READY
+            and kernel is not None
+            and kernel.queue_length == 0
+            and time.monotonic() - self.last_active >= seconds
+        )
+
+    def info(self, last_seq: int, stored_bytes: int) -> SessionInfo:
+        info = session_info(self.stored, self.state, self.reason, last_seq, warm=self.warm)
+        info.stored_bytes = stored_bytes  # live, not as stored
+        running = self.kernel.running if self.kernel else None
+        if running is not None and running.status == ExecutionStatus.AWAITING_INPUT:
+            info.awaiting_input = running.id  # a human gate: the review page flags it
+        return info
+
+
+def held(
+    sessions: dict[str, LiveSession], principal: Principal, session_id: str
+) -> LiveSession | None:
+    """The caller's live session, if this process holds it (an admin's: anyone's)."""
+    live = sessions.get(session_id)
+    if live is not None and (live.stored.owner == principal.name or principal.admin):
+        return live
+    return None
+
+
+def session_info(
+    s: StoredSession, state: SessionState, reason: str | None, last_seq: int, *, warm: bool = False
+) -> SessionInfo:
+    """A session as clients get it."""
+    limits = dict(s.limits)
+    limits["disk_bytes"] = limits.pop("workspace_bytes", None)
+    return SessionInfo(
+        id=s.id,
+        owner=s.owner,
+        state=state,
+        backend=s.backend,
+        created_at=s.created_at,
+        limits=limits,
+        metadata=s.metadata,
+        last_seq=last_seq,
+        reason=reason,
+        warm=warm,
+        stored_bytes=s.stored_bytes,
+    )

@@ -1,0 +1,194 @@
+"""A live session's state comes from the state machine, the operations act on its
+verdicts (run, wake first, or refuse naming both states), and a crash recovery that
+cannot start a sandbox drops the checkpoints (stand-in kernels and backend; the real
+ones are exercised end to end in tests/gateway)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kernelhub.config import Limits, Settings, StorageSettings
+from kernelhub.errors import SandboxError, SessionClosedError, SessionStateError
+from kernelhub.sandbox.base import Sandbox, SandboxBackend, SandboxSpec
+from kernelhub.session.continuity import Continuity
+from kernelhub.session.live import LiveSession, held
+from kernelhub.session.operations import Operations
+from kernelhub.session.recorder import Observer, Recorder
+from kernelhub.session.state import Operation, SessionState, Transition, Verdict
+from kernelhub.snapshot.blobs import BlobStore
+from kernelhub.store.quota import StorageGuard
+from kernelhub.store.sqlite import Principal, SqliteStore, StoredSession
+
+
+class StandInKernel:
+    def __init__(self, *, alive: bool = True, paused: bool = False, running: bool = False):
+        self.alive, self.paused = alive, paused
+        self.running = object() if running else None
+        self.queue_length = 0
+
+
+class Waker:
+    """Continuity's wake, as the operations see it: the session comes back ready."""
+
+    def __init__(self) -> None:
+        self.woken: list[tuple[str, int]] = []
+
+    async def wake(self, live: LiveSession, first_seq: int) -> None:
+        self.woken.append((live.id, first_seq))
+        live.kernel = StandInKernel()  # type: ignore[assignment]
+        live.hibernation = None
+        live.move(Transition.WOKE)
+
+
+class NoRoomBackend(SandboxBackend):
+    name = "no-room"
+
+    def __init__(self) -> None:
+        self.dropped: list[str] = []
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        raise SandboxError("no room for another sandbox")
+
+    async def drop_state(self, session_id: str) -> None:
+        self.dropped.append(session_id)
+
+    async def reap_orphans(self) -> int:
+        return 0
+
+
+class DeadKernel:
+    running = None
+    last_seq = 7
+
+    def __init__(self) -> None:
+        self.closed_keeping_state: bool | None = None
+
+    async def close(self, *, keep_state: bool = False) -> None:
+        self.closed_keeping_state = keep_state
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    opened = await SqliteStore.open(tmp_path / "store.sqlite3")
+    yield opened
+    await opened.close()
+
+
+def _live(store: SqliteStore, phase: SessionState, kernel: Any = None) -> LiveSession:
+    recorder = Recorder(store, Observer(), coalesce_window=0.0)
+    stored = StoredSession(
+        id="sess01", owner="alice", backend="docker", state=phase.value,
+        created_at=datetime.now(UTC), limits={}, metadata={}, reason=None, deleted_at=None,
+    )  # fmt: skip
+    live = LiveSession(stored=stored, limits=Limits(), fanout=recorder.fanout("sess01"))
+    live.phase, live.kernel = phase, kernel
+    return live
+
+
+async def test_the_state_is_the_machines_view_of_the_phase_and_the_kernel(
+    store: SqliteStore,
+) -> None:
+    live = _live(store, SessionState.READY, StandInKernel(running=True))
+    assert live.state == SessionState.BUSY and live.allows(Operation.EXECUTE) is Verdict.RUN
+    live.kernel = StandInKernel(paused=True)  # type: ignore[assignment]
+    assert live.state == SessionState.PAUSED and live.ready_kernel(Operation.CANCEL) is live.kernel
+    with pytest.raises(SessionStateError, match="is paused: cannot execute"):
+        live.ready_kernel()
+    live.kernel = StandInKernel(alive=False)  # type: ignore[assignment]
+    assert live.state == SessionState.DEAD  # not recoverable: no checkpoints
+    live.recover_crashed, live.checkpoints = True, [(1, "ckpt-1")]
+    assert live.state == SessionState.RECOVERING and live.ready_kernel() is None  # waits
+    assert live.move(Transition.CRASHED) == SessionState.RECOVERING
+    with pytest.raises(
+        SessionStateError, match="a recovering session cannot take the transition 'hibernate'"
+    ):
+        live.move(Transition.HIBERNATE)
+    await live.fanout.close()
+
+
+async def test_only_the_owner_or_an_admin_holds_a_session(store: SqliteStore) -> None:
+    live = _live(store, SessionState.READY, StandInKernel())
+    sessions = {live.id: live}
+    assert held(sessions, Principal(name="alice"), live.id) is live
+    assert held(sessions, Principal(name="bob"), live.id) is None
+    assert held(sessions, Principal(name="root", admin=True), live.id) is live
+    assert held(sessions, Principal(name="alice"), "other") is None
+    await live.fanout.close()
+
+
+async def test_work_on_a_hibernated_session_wakes_it_and_refusals_name_both_states(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    live = _live(store, SessionState.HIBERNATED)
+    live.hibernation = "snap01"
+    waker = Waker()
+
+    async def get(principal: Principal, session_id: str) -> LiveSession:
+        return live
+
+    ops = Operations(
+        Settings(data_dir=tmp_path), store, Recorder(store, Observer(), coalesce_window=0.0),
+        waker, None, {live.id: live}, get=get, info=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+    kernel = await ops.kernel_for(live, Operation.FILES)
+    assert waker.woken == [("sess01", 0)] and kernel is live.kernel
+    assert live.state == SessionState.READY and live.last_active > 0
+    # Ready: nothing to resume, and interrupting needs no wait either way.
+    with pytest.raises(SessionStateError) as refused:
+        await ops.kernel_for(live, Operation.RESUME)
+    assert (refused.value.state, refused.value.operation) == ("ready", "resume")
+    assert ops.kernel_now(live, Operation.INTERRUPT) is kernel
+    live.move(Transition.DIED)
+    with pytest.raises(SessionClosedError, match="has ended"):
+        ops.kernel_now(live, Operation.INPUT)
+    await live.fanout.close()
+
+
+def _continuity(store: SqliteStore, tmp_path: Path, backend: SandboxBackend) -> Continuity:
+    recorder = Recorder(store, Observer(), coalesce_window=0.0)
+    guard = StorageGuard(StorageSettings(min_free_bytes=0), store.ledger, tmp_path)
+    return Continuity(
+        Settings(data_dir=tmp_path), backend, store, recorder, BlobStore(tmp_path), guard,
+        bind=lambda live, kernel: None, spawn=lambda coro: None,
+    )  # fmt: skip
+
+
+def _crashable(store: SqliteStore, phase: SessionState) -> LiveSession:
+    live = _live(store, phase)
+    live.recover_crashed, live.checkpoints = True, [(2, "ckpt-2-abcdef")]
+    return live
+
+
+async def test_a_recovery_that_cannot_start_a_sandbox_drops_the_checkpoints(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    backend = NoRoomBackend()
+    live, dead = _crashable(store, SessionState.READY), DeadKernel()
+    with pytest.raises(SandboxError, match="no room"):
+        await _continuity(store, tmp_path, backend).recover(live, dead, "out of memory")  # type: ignore[arg-type]
+    # The dead sandbox was closed keeping its state for the successor that never came;
+    # the state (its checkpoints) goes now, and the session is recovering until the
+    # caller declares it dead.
+    assert dead.closed_keeping_state is True
+    assert backend.dropped == ["sess01"]
+    assert live.phase == SessionState.RECOVERING
+    await live.fanout.close()
+
+
+async def test_only_a_ready_session_can_crash_into_recovery(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    backend = NoRoomBackend()
+    live = _crashable(store, SessionState.HIBERNATED)
+    continuity = _continuity(store, tmp_path, backend)
+    with pytest.raises(
+        SessionStateError, match="a hibernated session cannot take the transition 'crashed'"
+    ):
+        await continuity.recover(live, DeadKernel(), "gone")  # type: ignore[arg-type]
+    assert backend.dropped == []
+    await live.fanout.close()
