@@ -33,7 +33,7 @@ from kernelhub.execution.handle import ExecutionHandle
 from kernelhub.execution.link import KernelLink
 from kernelhub.execution.record import unstarted_record
 from kernelhub.execution.router import MessageRouter
-from kernelhub.execution.timeouts import Escalation, PauseGate
+from kernelhub.execution.timeouts import AnswerDeadline, Escalation, PauseGate
 from kernelhub.execution.worker import CellWorker, Exclusive
 from kernelhub.models import (
     EndedBy,
@@ -44,6 +44,7 @@ from kernelhub.models import (
     InputReplyEvent,
     InputRequestEvent,
     NoticeEvent,
+    ResourceUsage,
     StatusEvent,
 )
 from kernelhub.sandbox.base import ExitInfo, Sandbox, SandboxBackend, SandboxSpec
@@ -80,11 +81,11 @@ class KernelSession:
         self._exit: ExitInfo | None = None
         self._closed = False
         self._gate = PauseGate()
-        self._input_deadline: asyncio.TimerHandle | None = None
+        self._input_deadline = AnswerDeadline()
         # Called by the worker after each user cell, before the next: checkpoints.
         self.after_cell: Callable[[ExecutionHandle], Awaitable[None]] | None = None
         self._router = MessageRouter(
-            self.id, limits, emit=self._emit, next_seq=self._next_seq, on_input=self._asked_input
+            self.id, limits, emit=self._emit, next_seq=self.next_seq, on_input=self._asked_input
         )
         self._link = KernelLink(
             sandbox,
@@ -95,11 +96,11 @@ class KernelSession:
         )
         self._worker: CellWorker[Started] = CellWorker(self._run_user_cell)
         escalation = Escalation(
-            sandbox, engine, notice=self._notice, restart=self._link.restart, dead=self._dead
+            sandbox, engine, notice=self.notice, restart=self._link.restart, dead=self._dead
         )
         self._cells = CellRunner(
             sandbox, self._link, self._router, self._gate, escalation,
-            emit=self._emit, next_seq=self._next_seq, exit_info=lambda: self._exit,
+            emit=self._emit, next_seq=self.next_seq, exit_info=lambda: self._exit,
             on_end=self._cancel_input_deadline,
         )  # fmt: skip
 
@@ -182,7 +183,8 @@ class KernelSession:
 
     def next_seq(self) -> int:
         """Take the next sequence number, for an event the session layer makes itself."""
-        return self._next_seq()
+        self._seq += 1
+        return self._seq
 
     def advance_seq(self, seq: int) -> None:
         """Continue numbering after ``seq`` (events the session layer stored itself)."""
@@ -192,9 +194,12 @@ class KernelSession:
         """Hand an event of no running cell to the listeners, in order with the engine's."""
         self._emit(None, event)
 
-    def notice(self, message: str) -> None:
-        """A session-wide notice (a restart, a rewind, a recovery) on the event stream."""
-        self.publish(NoticeEvent(execution_id="", seq=self._next_seq(), message=message))
+    def notice(self, message: str, handle: ExecutionHandle | None = None) -> None:
+        """A notice on the event stream: of ``handle``'s cell, or session-wide (a restart,
+        a rewind, a recovery) without one."""
+        execution_id = handle.id if handle is not None else ""
+        event = NoticeEvent(execution_id=execution_id, seq=self.next_seq(), message=message)
+        self._emit(handle, event)
 
     async def wait_exit(self) -> ExitInfo:
         return await self.sandbox.wait_exit()
@@ -304,7 +309,7 @@ class KernelSession:
         def queued() -> None:
             status = ExecutionStatus.QUEUED
             self._emit(
-                handle, StatusEvent(execution_id=handle.id, seq=self._next_seq(), status=status)
+                handle, StatusEvent(execution_id=handle.id, seq=self.next_seq(), status=status)
             )
 
         if self._exit is not None:
@@ -384,7 +389,7 @@ class KernelSession:
             handle,
             InputReplyEvent(
                 execution_id=handle.id,
-                seq=self._next_seq(),
+                seq=self.next_seq(),
                 value="" if password else value,
                 answered_by=answered_by,
                 password=password,
@@ -393,7 +398,7 @@ class KernelSession:
         self._emit(
             handle,
             StatusEvent(
-                execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.RUNNING
+                execution_id=handle.id, seq=self.next_seq(), status=ExecutionStatus.RUNNING
             ),
         )
 
@@ -421,7 +426,7 @@ class KernelSession:
             self._emit(
                 handle,
                 StatusEvent(
-                    execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.PAUSED
+                    execution_id=handle.id, seq=self.next_seq(), status=ExecutionStatus.PAUSED
                 ),
             )
 
@@ -436,7 +441,7 @@ class KernelSession:
             handle.paused_seconds += paused_for
             status = handle.status_before_pause or ExecutionStatus.RUNNING
             self._emit(
-                handle, StatusEvent(execution_id=handle.id, seq=self._next_seq(), status=status)
+                handle, StatusEvent(execution_id=handle.id, seq=self.next_seq(), status=status)
             )
             if status == ExecutionStatus.AWAITING_INPUT:
                 self._start_input_deadline(handle)
@@ -449,31 +454,23 @@ class KernelSession:
         self._emit(
             handle,
             StatusEvent(
-                execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.AWAITING_INPUT
+                execution_id=handle.id, seq=self.next_seq(), status=ExecutionStatus.AWAITING_INPUT
             ),
         )
 
     def _start_input_deadline(self, handle: ExecutionHandle) -> None:
-        self._cancel_input_deadline()
-        timeout = self.limits.input_timeout
-        if timeout is not None:
-            self._input_deadline = asyncio.get_running_loop().call_later(
-                timeout, self._answer_for_the_human, handle, timeout
-            )
+        self._input_deadline.start(self.limits.input_timeout, self._answer_for_the_human, handle)
 
     def _cancel_input_deadline(self) -> None:
-        if self._input_deadline is not None:
-            self._input_deadline.cancel()
-            self._input_deadline = None
+        self._input_deadline.cancel()
 
     def _answer_for_the_human(self, handle: ExecutionHandle, timeout: float) -> None:
-        self._input_deadline = None
         active = self._router.active
         if active is None or active.handle is not handle or self._gate.paused:
             return
-        self._notice(
-            handle,
+        self.notice(
             f"no answer within {timeout:g} s; answering for the human (input() raises EOFError, confirm() returns False)",
+            handle,
         )
         with contextlib.suppress(KernelhubError):
             self.send_input("\x04", answered_by="deadline")
@@ -535,10 +532,6 @@ class KernelSession:
         if self._closed:
             raise SessionClosedError(f"session {self.id} is closed; create a new session")
 
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
     def _emit(self, handle: ExecutionHandle | None, event: Event) -> None:
         if handle is not None and handle.internal is not None:
             if handle.record is None:
@@ -556,16 +549,11 @@ class KernelSession:
             except Exception:
                 log.exception("event listener failed")
 
-    def _notice(self, handle: ExecutionHandle, message: str) -> None:
-        self._emit(
-            handle, NoticeEvent(execution_id=handle.id, seq=self._next_seq(), message=message)
-        )
-
     def _finish_unstarted(
         self, handle: ExecutionHandle, status: ExecutionStatus, ended_by: EndedBy, reason: str
     ) -> None:
         record = unstarted_record(handle, status, ended_by, reason)
-        self._emit(handle, FinalEvent(execution_id=handle.id, seq=self._next_seq(), record=record))
+        self._emit(handle, FinalEvent(execution_id=handle.id, seq=self.next_seq(), record=record))
 
     # -- internals: running cells -----------------------------------------------------
 

@@ -87,7 +87,7 @@ class Escalation:
         sandbox: Sandbox,
         engine: EngineSettings,
         *,
-        notice: Callable[[ExecutionHandle, str], None],
+        notice: Callable[[str, ExecutionHandle], None],
         restart: Callable[[], Awaitable[None]],
         dead: Callable[[], bool],
     ) -> None:
@@ -113,14 +113,49 @@ class Escalation:
             if self._dead():
                 return EndedBy.KERNEL_DEATH, True
         self._notice(
-            handle,
             "cell ignored the interrupt; restarting the kernel (variables are lost, files are kept)",
+            handle,
         )
         try:
             await asyncio.wait_for(self._restart(), self.engine.restart_grace)
             return EndedBy.RESTART, True
         except (TimeoutError, KernelhubError) as exc:
             log.warning("kernel restart failed (%s); killing the sandbox", exc)
-        self._notice(handle, "kernel restart failed; the sandbox was killed")
+        self._notice("kernel restart failed; the sandbox was killed", handle)
         await self.sandbox.kill()
         return EndedBy.KILL, True
+
+
+class AnswerDeadline:
+    """How long a cell's ``input()`` waits for a human before the deadline answers for them
+    (``limits.input_timeout``; ``None`` waits for ever). One timer per kernel: a new
+    request, a pause or an answer replaces or cancels the previous one."""
+
+    def __init__(self) -> None:
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(
+        self,
+        timeout: float | None,
+        expired: Callable[[ExecutionHandle, float], None],
+        handle: ExecutionHandle,
+    ) -> None:
+        self.cancel()
+        if timeout is not None:
+            self._timer = asyncio.get_running_loop().call_later(
+                timeout, self._fire, expired, handle, timeout
+            )
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(
+        self,
+        expired: Callable[[ExecutionHandle, float], None],
+        handle: ExecutionHandle,
+        timeout: float,
+    ) -> None:
+        self._timer = None
+        expired(handle, timeout)
