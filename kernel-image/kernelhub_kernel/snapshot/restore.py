@@ -1,0 +1,213 @@
+"""One restore: workspace, imports, groups (each loaded as a unit), execution count."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import json
+import os
+import pickle
+import re
+import threading
+from typing import Any
+
+from .common import _COPY_CHUNK, _PARALLEL_HASH_BYTES, FORMAT, MANIFEST, _Clock
+from .picklers import _dill_unpickler_class
+from .session import _Group, _Session
+from .workspace import _extract_workspace
+
+_GROUP_FILE = re.compile(r"groups/[0-9a-f]{16,64}\.pkl")
+
+
+class _Restore:
+    def __init__(self, shell: Any, session: _Session, path: str, workspace: bool) -> None:
+        self.shell = shell
+        self.session = session
+        self.path = path
+        self.with_workspace = workspace
+
+    def run(self) -> dict[str, Any]:
+        clock = _Clock()
+        manifest = _read_manifest(self.path)
+        ns = self.shell.user_ns
+        failed: dict[str, str] = {}
+        restored: list[str] = []
+        workspace = None
+        if self.with_workspace and manifest.get("workspace"):
+            workspace = _extract_workspace(self.path, manifest["workspace"])
+        clock.lap("workspace")
+        imported: list[str] = []
+        for name, spec in manifest["imports"].items():
+            attr = spec.get("attr") or ""
+            try:
+                value: Any = importlib.import_module(spec["module"])
+                for part in attr.split(".") if attr else []:
+                    value = getattr(value, part)
+            except Exception as exc:
+                failed[name] = f"cannot import {spec.get('module')}: {type(exc).__name__}: {exc}"
+                continue
+            ns[name] = value
+            imported.append(name)
+            if attr and "." not in attr:
+                self.session.tracker.from_imports[name] = (spec["module"], attr)
+        clock.lap("imports")
+        adopted: list[_Group] = []
+        for entry in manifest["groups"]:
+            values, failures = self._load_group(entry)
+            failed.update(failures)
+            restored.extend(values)
+            if not failures:
+                adopted.append(
+                    _Group(
+                        names=tuple(entry["names"]),
+                        file=entry["file"],
+                        sha256=entry["sha256"],
+                        size_bytes=int(entry["size_bytes"]),
+                        pickler=entry["pickler"],
+                        pickle_bytes=int(entry["pickle_bytes"]),
+                        buffers=[int(b) for b in entry["buffers"]],
+                    )
+                )
+        clock.lap("groups")
+        self.shell.execution_count = int(manifest["execution_count"])
+        # The next capture may use this directory as its base.
+        self.session.snapshot_id = manifest["snapshot_id"]
+        self.session.groups = adopted
+        self.session.ids = {n: id(ns[n]) for g in adopted for n in g.names}
+        self.session.workspace = manifest.get("workspace")
+        self.session.tracker.reset()
+        return {
+            "format": FORMAT,
+            "snapshot_id": manifest["snapshot_id"],
+            "path": self.path,
+            "restored": restored,
+            "imports": imported,
+            "failed": failed,
+            "skipped": manifest.get("skipped", {}),
+            "execution_count": self.shell.execution_count,
+            "workspace": workspace,
+            "timings": clock.laps,
+        }
+
+    def _load_group(self, entry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        names: list[str] = list(entry["names"])
+        try:
+            data, buffers, digest = _read_group_file(self.path, entry)
+        except Exception as exc:
+            reason = f"group file {entry.get('file')!r} unusable: {exc}"
+            return {}, dict.fromkeys(names, reason)
+        values, failures = self._unpickle(entry, names, data, buffers)
+        try:
+            digest.check()
+        except ValueError as exc:
+            ns = self.shell.user_ns
+            for name in values:
+                ns.pop(name, None)
+            reason = f"group file {entry.get('file')!r} unusable: {exc}"
+            return {}, dict.fromkeys(names, reason)
+        return values, failures
+
+    def _unpickle(
+        self, entry: dict[str, Any], names: list[str], data: bytes, buffers: list[bytearray]
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        stream = io.BytesIO(data)
+        if entry["pickler"] == "dill":
+            unpickler: Any = _dill_unpickler_class()(stream, buffers=iter(buffers), ignore=True)
+            unpickler._main = self.shell.user_module
+        else:
+            unpickler = pickle.Unpickler(stream, buffers=iter(buffers))
+        values: dict[str, Any] = {}
+        ns = self.shell.user_ns
+        for index, name in enumerate(names):
+            try:
+                values[name] = ns[name] = unpickler.load()
+                # Bound at once, as when the cells ran: rebuilding a later member (a
+                # subclass's __init_subclass__, a default argument) may look it up.
+            except Exception as exc:
+                reason = f"cannot be loaded: {type(exc).__name__}: {exc}"[:500]
+                failures = {name: reason}
+                for later in names[index + 1 :]:
+                    failures[later] = f"not loaded: {name} before it in the same group failed"
+                return values, failures
+        return values, {}
+
+
+def _read_manifest(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, MANIFEST), "rb") as f:
+        manifest = json.load(f)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}/{MANIFEST} is not a {FORMAT} manifest")
+    for key, kind in (
+        ("snapshot_id", str),
+        ("execution_count", int),
+        ("imports", dict),
+        ("groups", list),
+    ):
+        if not isinstance(manifest.get(key), kind):
+            raise ValueError(f"{path}/{MANIFEST}: {key!r} missing or not a {kind.__name__}")
+    return manifest
+
+
+def _read_group_file(path: str, entry: dict[str, Any]) -> tuple[bytes, list[bytearray], _Digest]:
+    """The pickle and its buffers, and the check of their sha256 against the manifest.
+
+    A large file is hashed from its own file descriptor in a thread, while it is read and
+    unpickled here (both release the GIL): ``_Digest.check`` waits for it.
+    """
+    name = entry["file"]
+    if not isinstance(name, str) or not _GROUP_FILE.fullmatch(name):
+        raise ValueError("not a group file name")
+    pickle_bytes = int(entry["pickle_bytes"])
+    lengths = [int(n) for n in entry["buffers"]]
+    file_path = os.path.join(path, name)
+    with open(file_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != pickle_bytes + sum(lengths):
+            raise ValueError(f"{size} bytes, the manifest says {pickle_bytes + sum(lengths)}")
+        digest = _Digest(entry["sha256"], file_path if size >= _PARALLEL_HASH_BYTES else None)
+        data = f.read(pickle_bytes)
+        digest.update(data)
+        buffers = []
+        for length in lengths:
+            buffer = bytearray(length)
+            view = memoryview(buffer)
+            done = 0
+            while done < length:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError("file ends early")
+                done += n
+            digest.update(buffer)
+            buffers.append(buffer)
+    return data, buffers, digest
+
+
+class _Digest:
+    """sha256 of a group file: computed inline for a small one, in a thread for a large
+    one (from the file, not from the buffers the unpickled objects now own)."""
+
+    def __init__(self, expected: str, path: str | None) -> None:
+        self._expected = expected
+        self._hash = hashlib.sha256()
+        self._thread: threading.Thread | None = None
+        if path is not None:
+            self._thread = threading.Thread(
+                target=self._hash_file, args=(path,), name="kernelhub-snapshot-hash"
+            )
+            self._thread.start()
+
+    def _hash_file(self, path: str) -> None:
+        with open(path, "rb") as f:
+            while chunk := f.read(_COPY_CHUNK * 4):
+                self._hash.update(chunk)
+
+    def update(self, data: bytes | bytearray) -> None:
+        if self._thread is None:
+            self._hash.update(data)
+
+    def check(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self._hash.hexdigest() != self._expected:
+            raise ValueError("content does not match its sha256 (corrupted or altered)")
