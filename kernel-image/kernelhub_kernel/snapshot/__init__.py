@@ -102,6 +102,7 @@ comes back as a copy. Grouping ignores what pandas' Copy-on-Write shares between
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -111,8 +112,9 @@ from typing import Any
 from .analysis import CellUsage, _globals_used_by, analyze_cell  # noqa: F401 (API, tests)
 from .capture import _Capture
 from .common import _gc_paused
-from .restore import _Restore
+from .restore import _Restore, read_stream
 from .session import _session_for, _shell
+from .stream import TarReader, TarWriter, accept
 from .workspace import workspace_root  # noqa: F401 (API)
 
 _RESULT: dict[str, Any] | None = None
@@ -153,6 +155,47 @@ def restore(path: str, *, workspace: bool = True) -> dict[str, Any]:
     with _gc_paused(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = _Restore(shell, session, os.path.abspath(path), workspace).run()
+    result["duration"] = time.perf_counter() - started
+    _RESULT = result
+    return result
+
+
+def capture_stream(name: str) -> dict[str, Any]:
+    """A full snapshot sent to the host over the socket ``name`` in the kernel's socket
+    directory (see ``stream``), nothing staged in the sandbox. It does not change what
+    the next ``capture(dir, base=...)`` is incremental on. Returns the result dict."""
+    global _RESULT
+    shell = _shell()
+    session = _session_for(shell)
+    session.tracker.mark_own_execute()
+    started = time.perf_counter()
+    with contextlib.closing(accept(name)) as sock, _gc_paused(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = _Capture(shell, session, "", None, stream=TarWriter(sock)).run()
+    result["path"] = None
+    result["duration"] = time.perf_counter() - started
+    _RESULT = result
+    return result
+
+
+def restore_stream(name: str, *, workspace: bool = True) -> dict[str, Any]:
+    """Receive a snapshot from the host over the socket ``name`` and load it into this
+    (fresh) kernel, once the host's verdict on the blob is yes; as ``restore``."""
+    global _RESULT
+    shell = _shell()
+    session = _session_for(shell)
+    session.tracker.mark_own_execute()
+    started = time.perf_counter()
+    with contextlib.closing(accept(name)) as sock:
+        received = read_stream(TarReader(sock))
+    try:
+        with _gc_paused(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = _Restore(shell, session, None, workspace, streamed=received).run()
+    finally:
+        if received.workspace is not None:
+            received.workspace.close()
+    result["path"] = None
     result["duration"] = time.perf_counter() - started
     _RESULT = result
     return result

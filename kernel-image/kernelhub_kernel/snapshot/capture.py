@@ -12,6 +12,7 @@ import pickle
 import re
 import shutil
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -40,6 +41,7 @@ from .grouping import _import_ref, _Reacher, _Refs
 from .picklers import _CPickler, _dill_pickler, _dill_warning_class, _global_refs, _Pickled
 from .reducers import _Reducer
 from .session import _Group, _Session
+from .stream import TarWriter
 from .workspace import _scan_workspace, _write_workspace_tar, workspace_root
 
 _IPYTHON_NAME = re.compile(r"_+|_i+|_i\d+|_\d+|_ih|_oh|_dh|In|Out|_exit_code")
@@ -59,10 +61,23 @@ class _Capture:
     def reducers(self) -> dict[bool, _Reducer]:
         return {mode: _Reducer(self.shell, self.refs, dill_mode=mode) for mode in (False, True)}
 
-    def __init__(self, shell: Any, session: _Session, path: str, base: str | None) -> None:
+    def __init__(
+        self,
+        shell: Any,
+        session: _Session,
+        path: str,
+        base: str | None,
+        stream: TarWriter | None = None,
+    ) -> None:
         self.shell = shell
         self.session = session
         self.path = path
+        # Streamed (``stream``): always full, nothing written in the sandbox, and this
+        # kernel's memory of its last capture is left alone, so the next checkpoint is
+        # still incremental on the last checkpoint directory.
+        self.stream = stream
+        if stream is not None:
+            base = None
         self.base = os.path.abspath(base) if base else None
         self.ns: dict[str, Any] = shell.user_ns
         self.refs = _Refs()
@@ -79,7 +94,8 @@ class _Capture:
 
     def run(self) -> dict[str, Any]:
         clock = _Clock()
-        _prepare_dir(self.path)
+        if self.stream is None:
+            _prepare_dir(self.path)
         variables, imports, skipped = self._classify()
         incremental, full_reason = self._check_base()
         tracker = self.session.tracker
@@ -117,15 +133,19 @@ class _Capture:
             "workspace": workspace,
         }
         manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        _write_atomic(os.path.join(self.path, MANIFEST), manifest_bytes)
         self.written_bytes += len(manifest_bytes)
-
-        self.session.snapshot_id = snapshot_id
-        self.session.groups = [g for g, _ in groups]
-        self.session.ids = {n: id(v) for n, v in variables.items()}
-        self.session.workspace = workspace
-        tracker.reset()
+        if self.stream is not None:
+            self.stream.add_parts(MANIFEST, [memoryview(manifest_bytes)])
+            self.stream.close()
+        else:
+            _write_atomic(os.path.join(self.path, MANIFEST), manifest_bytes)
+            self.session.snapshot_id = snapshot_id
+            self.session.groups = [g for g, _ in groups]
+            self.session.ids = {n: id(v) for n, v in variables.items()}
+            self.session.workspace = workspace
+            tracker.reset()
         self.refs.clear()
+        clock.lap("manifest")
 
         group_bytes = sum(g.size_bytes for g, _ in groups)
         workspace_bytes = workspace["size_bytes"] if workspace else 0
@@ -433,9 +453,23 @@ class _Capture:
     def _store(
         self, names: tuple[str, ...], pickled: _Pickled, planned: list[str]
     ) -> tuple[_Group, bool]:
-        """Hash, then write unless an identical file exists in base or here already."""
+        """Hash, then write unless an identical file exists in base or here already.
+        Streamed: sent as it is, unhashed (the host's hash of the stream is the one)."""
         parts = [memoryview(pickled.data), *pickled.buffers]
         size = pickled.size
+        if self.stream is not None:
+            group = _Group(
+                names=names,
+                file=f"{GROUPS_DIR}/{uuid.uuid4().hex}.pkl",
+                sha256="",
+                size_bytes=size,
+                pickler=pickled.pickler,
+                pickle_bytes=len(pickled.data),
+                buffers=[b.nbytes for b in pickled.buffers],
+            )
+            self.stream.add_parts(group.file, parts)
+            self.written_bytes += size
+            return group, False
         tmp = os.path.join(self.path, GROUPS_DIR, f".tmp-{uuid.uuid4().hex}")
         writer: threading.Thread | None = None
         write_error: list[BaseException] = []
@@ -489,6 +523,22 @@ class _Capture:
             return None
         entries, skipped = _scan_workspace(root, exclude=self.path)
         fingerprint = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+        if self.stream is not None:
+            # An unnamed file (O_TMPFILE) on the workspace's own disk: no tmpfs to fill,
+            # and invisible to the scan.
+            with tempfile.TemporaryFile(dir=root) as f:
+                _, files, size, more_skipped = _write_workspace_tar(f, root, entries)
+                self.stream.add_file(WORKSPACE_TAR, f)
+            self.written_bytes += size
+            return {
+                "file": WORKSPACE_TAR,
+                "sha256": "",
+                "size_bytes": size,
+                "files": files,
+                "fingerprint": fingerprint,
+                "skipped": skipped + more_skipped,
+                "reused": False,
+            }
         previous = self.session.workspace
         target = os.path.join(self.path, WORKSPACE_TAR)
         if incremental and previous and previous.get("fingerprint") == fingerprint:

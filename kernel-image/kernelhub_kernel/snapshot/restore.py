@@ -9,33 +9,56 @@ import json
 import os
 import pickle
 import re
+import tempfile
 import threading
 from typing import Any
 
-from .common import _COPY_CHUNK, _PARALLEL_HASH_BYTES, FORMAT, MANIFEST, _Clock
+from .common import _COPY_CHUNK, _PARALLEL_HASH_BYTES, FORMAT, MANIFEST, WORKSPACE_TAR, _Clock
 from .picklers import _dill_unpickler_class
 from .session import _Group, _Session
-from .workspace import _extract_workspace
+from .stream import TarReader
+from .workspace import _extract_workspace, workspace_root
 
 _GROUP_FILE = re.compile(r"groups/[0-9a-f]{16,64}\.pkl")
 
 
 class _Restore:
-    def __init__(self, shell: Any, session: _Session, path: str, workspace: bool) -> None:
+    """From the snapshot directory ``path``, or (``streamed``) from what
+    :func:`read_stream` received, held in memory."""
+
+    def __init__(
+        self,
+        shell: Any,
+        session: _Session,
+        path: str | None,
+        workspace: bool,
+        streamed: _Streamed | None = None,
+    ) -> None:
         self.shell = shell
         self.session = session
         self.path = path
         self.with_workspace = workspace
+        self.streamed = streamed
 
     def run(self) -> dict[str, Any]:
         clock = _Clock()
-        manifest = _read_manifest(self.path)
+        streamed = self.streamed
+        if streamed is not None:
+            clock.laps.update(streamed.timings)
+            manifest = _check_manifest(streamed.manifest, "the stream")
+        else:
+            assert self.path is not None
+            manifest = _read_manifest(self.path)
         ns = self.shell.user_ns
         failed: dict[str, str] = {}
         restored: list[str] = []
         workspace = None
         if self.with_workspace and manifest.get("workspace"):
-            workspace = _extract_workspace(self.path, manifest["workspace"])
+            source: Any = self.path if streamed is None else streamed.workspace
+            if source is None:
+                failed["/workspace"] = "the stream had no workspace.tar"
+            else:
+                workspace = _extract_workspace(source, manifest["workspace"])
         clock.lap("workspace")
         imported: list[str] = []
         for name, spec in manifest["imports"].items():
@@ -71,8 +94,8 @@ class _Restore:
                 )
         clock.lap("groups")
         self.shell.execution_count = int(manifest["execution_count"])
-        # The next capture may use this directory as its base.
-        self.session.snapshot_id = manifest["snapshot_id"]
+        # The next capture may use this directory as its base (a stream left none).
+        self.session.snapshot_id = manifest["snapshot_id"] if streamed is None else None
         self.session.groups = adopted
         self.session.ids = {n: id(ns[n]) for g in adopted for n in g.names}
         self.session.workspace = manifest.get("workspace")
@@ -93,7 +116,11 @@ class _Restore:
     def _load_group(self, entry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         names: list[str] = list(entry["names"])
         try:
-            data, buffers, digest = _read_group_file(self.path, entry)
+            if self.streamed is not None:
+                data, buffers, digest = self.streamed.group(entry)
+            else:
+                assert self.path is not None
+                data, buffers, digest = _read_group_file(self.path, entry)
         except Exception as exc:
             reason = f"group file {entry.get('file')!r} unusable: {exc}"
             return {}, dict.fromkeys(names, reason)
@@ -109,7 +136,7 @@ class _Restore:
         return values, failures
 
     def _unpickle(
-        self, entry: dict[str, Any], names: list[str], data: bytes, buffers: list[bytearray]
+        self, entry: dict[str, Any], names: list[str], data: Any, buffers: list[Any]
     ) -> tuple[dict[str, Any], dict[str, str]]:
         stream = io.BytesIO(data)
         if entry["pickler"] == "dill":
@@ -135,7 +162,10 @@ class _Restore:
 
 def _read_manifest(path: str) -> dict[str, Any]:
     with open(os.path.join(path, MANIFEST), "rb") as f:
-        manifest = json.load(f)
+        return _check_manifest(json.load(f), path)
+
+
+def _check_manifest(manifest: Any, path: str) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{path}/{MANIFEST} is not a {FORMAT} manifest")
     for key, kind in (
@@ -188,7 +218,11 @@ class _Digest:
     one (from the file, not from the buffers the unpickled objects now own)."""
 
     def __init__(self, expected: str, path: str | None) -> None:
+        # "" (a streamed capture's entries): nothing to check here, the host checked
+        # the whole stream against its MAC.
         self._expected = expected
+        if not expected:
+            path = None
         self._hash = hashlib.sha256()
         self._thread: threading.Thread | None = None
         if path is not None:
@@ -203,11 +237,79 @@ class _Digest:
                 self._hash.update(chunk)
 
     def update(self, data: bytes | bytearray) -> None:
-        if self._thread is None:
+        if self._thread is None and self._expected:
             self._hash.update(data)
 
     def check(self) -> None:
         if self._thread is not None:
             self._thread.join()
-        if self._hash.hexdigest() != self._expected:
+        if self._expected and self._hash.hexdigest() != self._expected:
             raise ValueError("content does not match its sha256 (corrupted or altered)")
+
+
+class _Streamed:
+    """A snapshot received over a stream (``stream.TarReader``), held until the host's
+    verdict: group files as one buffer each (the pickle's out-of-band buffers are views
+    into it, adopted by the objects without a copy), the manifest, and the workspace
+    tar in an unnamed file on the workspace's disk."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytearray] = {}
+        self.manifest: Any = None
+        self.workspace: Any = None
+        self.timings: dict[str, float] = {}
+
+    def group(self, entry: dict[str, Any]) -> tuple[Any, list[Any], _Digest]:
+        name = entry["file"]
+        if not isinstance(name, str) or not _GROUP_FILE.fullmatch(name):
+            raise ValueError("not a group file name")
+        raw = self.files.pop(name, None)
+        if raw is None:
+            raise ValueError("not in the stream")
+        pickle_bytes = int(entry["pickle_bytes"])
+        lengths = [int(n) for n in entry["buffers"]]
+        if len(raw) != pickle_bytes + sum(lengths):
+            raise ValueError(f"{len(raw)} bytes, the manifest says {pickle_bytes + sum(lengths)}")
+        # Not hashed again here, whatever the entry says: the host checked the whole
+        # stream against its MAC before saying yes.
+        digest = _Digest("", None)
+        view = memoryview(raw)
+        buffers = []
+        offset = pickle_bytes
+        for length in lengths:
+            buffers.append(view[offset : offset + length])
+            offset += length
+        return view[:pickle_bytes], buffers, digest
+
+
+def read_stream(reader: TarReader) -> _Streamed:
+    """Receive every member; raise (loading nothing) unless the host's verdict is yes."""
+    clock = _Clock()
+    got = _Streamed()
+    try:
+        for name, size in reader.members():
+            if _GROUP_FILE.fullmatch(name):
+                buffer = bytearray(size)
+                reader.read_into(memoryview(buffer))
+                got.files[name] = buffer
+            elif name == MANIFEST:
+                got.manifest = json.loads(bytes(reader.read(size)))
+            elif name == WORKSPACE_TAR:
+                root = workspace_root()
+                os.makedirs(root, exist_ok=True)
+                got.workspace = tempfile.TemporaryFile(dir=root)  # noqa: SIM115 - closed by the caller
+                reader.copy_to(got.workspace, size)
+                got.workspace.seek(0)
+            else:
+                reader.skip(size)
+        if not reader.verdict():
+            raise ValueError(
+                "the host refused this snapshot (its integrity check failed); nothing loaded"
+            )
+    except BaseException:
+        if got.workspace is not None:
+            got.workspace.close()
+        raise
+    clock.lap("receive")
+    got.timings = clock.laps
+    return got

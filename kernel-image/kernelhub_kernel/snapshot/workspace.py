@@ -18,13 +18,13 @@ def workspace_root() -> str:
 
 
 def _scan_workspace(
-    root: str, exclude: str
+    root: str, exclude: str | None
 ) -> tuple[list[tuple[str, str, int, int, int, str]], list[dict[str, str]]]:
     """Every directory, regular file and symlink under root (no link is followed):
     (relpath, kind, size, mtime_ns, mode, link target). Other kinds are skipped, named."""
     entries: list[tuple[str, str, int, int, int, str]] = []
     skipped: list[dict[str, str]] = []
-    real_exclude = os.path.realpath(exclude)
+    real_exclude = os.path.realpath(exclude) if exclude else None
 
     def walk(directory: str, prefix: str) -> None:
         try:
@@ -75,12 +75,16 @@ class _PaddedReader:
 
 
 def _write_workspace_tar(
-    path: str, root: str, entries: list[tuple[str, str, int, int, int, str]]
+    out: str | Any, root: str, entries: list[tuple[str, str, int, int, int, str]]
 ) -> tuple[str, int, int, list[dict[str, str]]]:
+    """Write the tar to the path ``out`` (and hash it), or to the open file ``out`` (not
+    hashed: the sha256 is ``""``)."""
     skipped: list[dict[str, str]] = []
     files = 0
     real_root = os.path.realpath(root)
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+    to_file = not isinstance(out, str)
+    where: dict[str, Any] = {"fileobj": out} if to_file else {"name": out}
+    with tarfile.open(mode="w", format=tarfile.PAX_FORMAT, **where) as tar:
         for rel, kind, _, mtime_ns, mode, target in entries:
             info = tarfile.TarInfo(rel)
             info.mtime = mtime_ns / 1e9
@@ -110,16 +114,20 @@ def _write_workspace_tar(
                 if reader.short:
                     skipped.append({"path": rel, "reason": "shrank while archived; padded"})
                 files += 1
+    if to_file:
+        out.flush()
+        return "", files, os.fstat(out.fileno()).st_size, skipped
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(out, "rb") as f:
         while chunk := f.read(_COPY_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest(), files, os.path.getsize(path), skipped
+    return digest.hexdigest(), files, os.path.getsize(out), skipped
 
 
-def _extract_workspace(path: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """Extract the tar into the workspace, refusing absolute paths, ``..``, links that
-    point outside, and special files (tarfile's ``data`` filter, member by member)."""
+def _extract_workspace(source: str | Any, entry: dict[str, Any]) -> dict[str, Any]:
+    """Extract the tar (in the snapshot directory ``source``, or the open file
+    ``source``) into the workspace, refusing absolute paths, ``..``, links that point
+    outside, and special files (tarfile's ``data`` filter, member by member)."""
     root = workspace_root()
     os.makedirs(root, exist_ok=True)
     refused: list[dict[str, str]] = []
@@ -151,7 +159,12 @@ def _extract_workspace(path: str, entry: dict[str, Any]) -> dict[str, Any]:
         files += safe.isfile()
         return safe
 
-    with tarfile.open(os.path.join(path, WORKSPACE_TAR)) as tar:
+    where: dict[str, Any] = (
+        {"name": os.path.join(source, WORKSPACE_TAR)}
+        if isinstance(source, str)
+        else {"fileobj": source}
+    )
+    with tarfile.open(**where) as tar:
         if hasattr(tarfile, "data_filter"):
             tar.extractall(root, filter=only_safe)
         else:
