@@ -81,7 +81,9 @@ async def test_a_streamed_snapshot_round_trips_and_stages_nothing(
     assert check.stdout == f"{float(sum(range(3_000_000)))} True 999 2 on disk\n", check.stdout
 
 
-async def test_a_refused_verdict_loads_nothing(open_session: SessionFactory, tmp_path: Path) -> None:
+async def test_a_refused_verdict_loads_nothing(
+    open_session: SessionFactory, tmp_path: Path
+) -> None:
     a = await open_session()
     await a.execute("secret_value = 41 + 1")
     blob = tmp_path / "a.blob"
