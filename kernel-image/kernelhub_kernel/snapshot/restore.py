@@ -254,7 +254,7 @@ class _Streamed:
     tar in an unnamed file on the workspace's disk."""
 
     def __init__(self) -> None:
-        self.files: dict[str, bytearray] = {}
+        self.files: dict[str, list[bytearray]] = {}
         self.manifest: Any = None
         self.workspace: Any = None
         self.timings: dict[str, float] = {}
@@ -263,21 +263,26 @@ class _Streamed:
         name = entry["file"]
         if not isinstance(name, str) or not _GROUP_FILE.fullmatch(name):
             raise ValueError("not a group file name")
-        raw = self.files.pop(name, None)
-        if raw is None:
+        parts = self.files.pop(name, None)
+        if parts is None:
             raise ValueError("not in the stream")
         pickle_bytes = int(entry["pickle_bytes"])
         lengths = [int(n) for n in entry["buffers"]]
-        if len(raw) != pickle_bytes + sum(lengths):
-            raise ValueError(f"{len(raw)} bytes, the manifest says {pickle_bytes + sum(lengths)}")
+        size = sum(len(p) for p in parts)
+        if size != pickle_bytes + sum(lengths):
+            raise ValueError(f"{size} bytes, the manifest says {pickle_bytes + sum(lengths)}")
         # Not hashed again here, whatever the entry says: the host checked the whole
         # stream against its MAC before saying yes.
         digest = _Digest("", None)
-        view = memoryview(raw)
+        if [len(p) for p in parts] == [pickle_bytes, *lengths]:
+            return parts[0], parts[1:], digest
+        # One buffer for the whole file (a blob packed from a directory): each part gets
+        # its own copy, aligned, as numpy wants its arrays.
+        view = memoryview(parts[0])
         buffers = []
         offset = pickle_bytes
         for length in lengths:
-            buffers.append(view[offset : offset + length])
+            buffers.append(bytearray(view[offset : offset + length]))
             offset += length
         return view[:pickle_bytes], buffers, digest
 
@@ -287,11 +292,14 @@ def read_stream(reader: TarReader) -> _Streamed:
     clock = _Clock()
     got = _Streamed()
     try:
-        for name, size in reader.members():
+        for name, size, parts in reader.members():
             if _GROUP_FILE.fullmatch(name):
-                buffer = bytearray(size)
-                reader.read_into(memoryview(buffer))
-                got.files[name] = buffer
+                if parts is None or sum(parts) != size:
+                    parts = [size]
+                buffers = [bytearray(n) for n in parts]
+                for buffer in buffers:
+                    reader.read_into(memoryview(buffer))
+                got.files[name] = buffers
             elif name == MANIFEST:
                 got.manifest = json.loads(bytes(reader.read(size)))
             elif name == WORKSPACE_TAR:

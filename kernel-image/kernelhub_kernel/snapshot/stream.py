@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 BLOCK = 512
+LAYOUT = "KERNELHUB.parts"
 _ACCEPT_TIMEOUT = 60.0
 _CHUNK = 4 << 20
 
@@ -72,11 +73,13 @@ class TarWriter:
         self.sock = sock
         self.written = 0
 
-    def _header(self, name: str, size: int) -> None:
+    def _header(self, name: str, size: int, layout: list[int] | None = None) -> None:
         info = tarfile.TarInfo(name)
         info.size = size
         info.mode = 0o600
         info.mtime = int(time.time())
+        if layout is not None:
+            info.pax_headers = {LAYOUT: ",".join(map(str, layout))}
         self._send(info.tobuf(tarfile.PAX_FORMAT))
 
     def _send(self, data: Any) -> None:
@@ -88,8 +91,10 @@ class TarWriter:
             self._send(bytes(BLOCK - size % BLOCK))
 
     def add_parts(self, name: str, parts: list[memoryview]) -> int:
+        """One member from ``parts``; their lengths go in its pax header, so the reader
+        can give each part a buffer of its own (aligned, as numpy wants its arrays)."""
         size = sum(p.nbytes for p in parts)
-        self._header(name, size)
+        self._header(name, size, [p.nbytes for p in parts] if len(parts) > 1 else None)
         for part in parts:
             self._send(part)
         self._pad(size)
@@ -161,8 +166,8 @@ class TarReader:
             n -= step
 
     def members(self) -> Any:
-        """Yields (name, size) of each regular file (``./`` stripped); the caller reads
-        exactly ``size`` bytes before asking for the next one."""
+        """Yields (name, size, part lengths or None) of each regular file (``./``
+        stripped); the caller reads exactly ``size`` bytes before asking for the next."""
         pax: dict[str, str] = {}
         while self.left >= BLOCK:
             block = self.read(BLOCK)
@@ -177,14 +182,15 @@ class TarReader:
                     pax = _pax_records(bytes(records))
                 continue
             name = pax.get("path", info.name)
-            pax = {}
             if name.startswith("./"):
                 name = name[2:]
+            parts = [int(n) for n in pax[LAYOUT].split(",")] if LAYOUT in pax else None
             if info.isreg():
-                yield name, size
+                yield name, size, parts
             elif size:
                 self.skip(size)
             self.skip(-size % BLOCK)
+            pax = {}
 
     def verdict(self) -> bool:
         """Drain what is left of the tar (its zero padding), then the host's verdict."""
