@@ -119,6 +119,14 @@ class _Capture:
         clock.lap("pickle_and_write")
         workspace = self._workspace(incremental)
         clock.lap("workspace")
+        rebuild: dict[str, Any] = {}
+        cells = _cell_log()
+        if cells is not None and skipped:
+            available = {n for g, _ in groups for n in g.names} | set(imports)
+            rebuild, skipped = self.session.planner.plan(
+                cells, skipped, available, self.ns, self.shell.transform_cell
+            )
+        clock.lap("rebuild_plan")
         snapshot_id = uuid.uuid4().hex
         manifest = {
             "format": FORMAT,
@@ -130,6 +138,7 @@ class _Capture:
             "imports": imports,
             "groups": [g.entry(reused) for g, reused in groups],
             "skipped": skipped,
+            "rebuild": rebuild,
             "workspace": workspace,
         }
         manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
@@ -561,6 +570,14 @@ class _Capture:
             "skipped": skipped + more_skipped,
             "reused": False,
         }
+
+
+def _cell_log() -> list[Any] | None:
+    """The cells this kernel ran, if the launcher installed the log (not imported
+    here: the log is its own module, installed before the first cell)."""
+    module = sys.modules.get("kernelhub_kernel.cell_log")
+    log = module.log() if module is not None else None
+    return list(log.cells) if log is not None else None
 
 
 def _is_code(value: Any) -> bool:

@@ -9,12 +9,14 @@ import json
 import os
 import pickle
 import re
+import sys
 import tempfile
 import threading
 from typing import Any
 
 from .common import _COPY_CHUNK, _PARALLEL_HASH_BYTES, FORMAT, MANIFEST, WORKSPACE_TAR, _Clock
 from .picklers import _dill_unpickler_class
+from .replay import rebuild
 from .session import _Group, _Session
 from .stream import TarReader
 from .workspace import _extract_workspace, workspace_root
@@ -93,6 +95,10 @@ class _Restore:
                     )
                 )
         clock.lap("groups")
+        rebuilt, rebuild_failed = self._rebuild(manifest.get("rebuild") or {})
+        failed.update(rebuild_failed)
+        restored.extend(rebuilt)
+        clock.lap("rebuild")
         self.shell.execution_count = int(manifest["execution_count"])
         # The next capture may use this directory as its base (a stream left none).
         self.session.snapshot_id = manifest["snapshot_id"] if streamed is None else None
@@ -107,11 +113,34 @@ class _Restore:
             "restored": restored,
             "imports": imported,
             "failed": failed,
-            "skipped": manifest.get("skipped", {}),
+            "skipped": {
+                k: v
+                for k, v in manifest.get("skipped", {}).items()
+                if k not in rebuilt and k not in rebuild_failed
+            },
+            "rebuilt": rebuilt,
             "execution_count": self.shell.execution_count,
             "workspace": workspace,
             "timings": clock.laps,
         }
+
+    def _rebuild(self, plan: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+        """Re-run the cells the capture planned (``replay``); the cells that made
+        something go into this kernel's cell log, so a later snapshot can do it again."""
+        if not isinstance(plan, dict) or not plan:
+            return {}, {}
+        rebuilt, failed = rebuild(plan, self.shell.user_ns)
+        module = sys.modules.get("kernelhub_kernel.cell_log")
+        log = module.log() if module is not None else None
+        if log is not None and rebuilt:
+            log.inherit(
+                [
+                    module.Cell(index=int(i), source=str(e["code"]), success=True)
+                    for i, e in sorted(plan.items(), key=lambda item: int(item[0]))
+                    if set(e.get("names", [])) & rebuilt.keys()
+                ]
+            )
+        return rebuilt, failed
 
     def _load_group(self, entry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         names: list[str] = list(entry["names"])

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .analysis import _globals_used_by, analyze_cell
+from .replay import Planner
 
 _SESSION: _Session | None = None
 
@@ -48,6 +49,7 @@ class _Session:
         self.groups: list[_Group] = []
         self.ids: dict[str, int] = {}
         self.workspace: dict[str, Any] | None = None
+        self.planner = Planner()
 
 
 def _session_for(shell: Any) -> _Session:
