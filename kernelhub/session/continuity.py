@@ -513,6 +513,7 @@ class Continuity:
             restored=list(result.get("restored", [])),
             failed={str(k): str(v) for k, v in dict(result.get("failed", {})).items()},
             skipped={str(k): str(v) for k, v in dict(result.get("skipped", {})).items()},
+            rebuilt={str(k): str(v) for k, v in dict(result.get("rebuilt", {})).items()},
             execution_count=result.get("execution_count"),
             duration=time.monotonic() - t0,
         )

@@ -75,3 +75,40 @@ async def test_a_snapshot_over_the_cap_is_a_413_naming_the_knob(
         assert not list((Path(gateway.env["KERNELHUB_DATA_DIR"]) / "snapshots").glob("*.blob"))
         after = await run(http, token, sid, "print(big.size)")
         assert stdout(after) == f"{40 * 2**20 // 8}\n"
+
+
+async def test_unpicklables_are_rebuilt_through_the_api(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    """A sqlite3 connection to a file database, a compiled regex's match and a generator
+    not started come back after a snapshot and restore; what cannot is named."""
+    token = gateway.token("alice")
+    h = auth(token)
+    sid = await new_session(http, token)
+    for cell in [
+        "import sqlite3, re\n"
+        "with sqlite3.connect('notes.db') as setup:\n"
+        "    setup.execute('create table t(x)')\n    setup.execute('insert into t values (7)')",
+        "conn = sqlite3.connect('notes.db')",
+        "pattern = re.compile(r'(\\w+)@(\\w+)')\nfound = pattern.search('mail bob@example now')",
+        "squares = (i * i for i in range(5))",
+        "spent = iter(range(3))\nnext(spent)",
+        "tape = (i for i in range(3))",
+        "next(tape)",
+    ]:
+        assert (await run(http, token, sid, cell))["status"] == "completed", cell
+    r = await http.post(f"/v1/sessions/{sid}/snapshots", headers=h)
+    assert r.status_code == 201, r.text
+    r = await http.post("/v1/sessions", json={"from_snapshot": r.json()["id"]}, headers=h)
+    assert r.status_code == 201, r.text
+    report = r.json()["restore"]
+    assert {"conn", "found", "squares"} <= set(report["restored"]), report
+    check = await run(
+        http, token, r.json()["id"],
+        "print(conn.execute('select x from t').fetchall(), found.groups(), list(squares))",
+    )  # fmt: skip
+    assert stdout(check) == "[(7,)] ('bob', 'example') [0, 1, 4, 9, 16]\n", check
+    lost = {**report["skipped"], **report["failed"]}
+    assert "setup" in lost and "effects outside the session" in lost["setup"]
+    assert "changed it after it was made" in lost["tape"]
+    assert all("re-run the code that made it" in lost[n] for n in ("setup", "tape"))

@@ -51,16 +51,63 @@ class _Facts:
 
 
 def cell_names(code: str) -> tuple[set[str], set[str]]:
-    """(names bound at the top level, names read before the cell binds them)."""
+    """(names the cell binds at its top level, names it reads before binding them).
+
+    Statements count in order; inside a loop, an ``if`` or a ``try`` a binding may not
+    happen, so it does not hide a later read of the name (which then counts as read).
+    """
     bound: set[str] = set()
     reads: set[str] = set()
-    for stmt in ast.parse(code).body:
-        loads: set[str] = set()
-        binds: set[str] = set()
-        _collect(stmt, loads, binds)
-        reads |= loads - bound
-        bound |= binds
+    _block(ast.parse(code).body, set(), bound, reads)
     return bound, reads
+
+
+def _block(stmts: list[ast.stmt], definite: set[str], bound: set[str], reads: set[str]) -> None:
+    """Walk ``stmts`` in order; ``definite`` (updated) holds the names surely bound."""
+    for stmt in stmts:
+        if isinstance(stmt, (ast.For, ast.AsyncFor)):
+            _expr(stmt.iter, definite, bound, reads)
+            inner = set(definite)
+            _target(stmt.target, inner, bound)
+            _block(stmt.body, inner, bound, reads)
+            _block(stmt.orelse, set(definite), bound, reads)
+        elif isinstance(stmt, (ast.If, ast.While)):
+            _expr(stmt.test, definite, bound, reads)
+            _block(stmt.body, set(definite), bound, reads)
+            _block(stmt.orelse, set(definite), bound, reads)
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            for item in stmt.items:
+                _expr(item.context_expr, definite, bound, reads)
+                if item.optional_vars is not None:
+                    _target(item.optional_vars, definite, bound)
+            _block(stmt.body, definite, bound, reads)
+        elif isinstance(stmt, ast.Try):
+            _block(stmt.body, set(definite), bound, reads)
+            for handler in stmt.handlers:
+                if handler.type is not None:
+                    _expr(handler.type, set(definite), bound, reads)
+                inner = set(definite)
+                if handler.name:
+                    inner.add(handler.name)
+                    bound.add(handler.name)
+                _block(handler.body, inner, bound, reads)
+            _block(stmt.orelse, set(definite), bound, reads)
+            _block(stmt.finalbody, set(definite), bound, reads)
+        else:
+            _expr(stmt, definite, bound, reads)
+
+
+def _expr(node: ast.AST, definite: set[str], bound: set[str], reads: set[str]) -> None:
+    loads: set[str] = set()
+    binds: set[str] = set()
+    _collect(node, loads, binds)
+    reads |= loads - definite
+    definite |= binds
+    bound |= binds
+
+
+def _target(node: ast.AST, definite: set[str], bound: set[str]) -> None:
+    _expr(node, definite, bound, set())
 
 
 def _collect(node: ast.AST, loads: set[str], binds: set[str]) -> None:
