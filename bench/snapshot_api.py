@@ -145,6 +145,7 @@ async def one_size(http: httpx.AsyncClient, mib: int, rounds: int) -> Samples:
 
 async def measure(sizes: list[int], rounds: int, data: Path | None = None) -> list[Samples]:
     root = Path(tempfile.mkdtemp(prefix="khsnap")) if data is None else data
+    root.mkdir(parents=True, exist_ok=True)
     gw = await Gateway.launch(
         root,
         instance=f"kbs{uuid.uuid4().hex[:6]}",

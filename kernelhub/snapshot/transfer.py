@@ -77,25 +77,32 @@ class _Hasher:
 def connect(
     session_dir: SessionDir, name: str, deadline: float, stop: threading.Event
 ) -> socket.socket:
-    """Wait for the kernel to bind ``name`` in the socket directory, check it, connect."""
+    """Wait for the kernel to bind and listen on ``name`` in the socket directory, check
+    the socket, connect. (The name appears at ``bind``, a moment before ``listen``: a
+    refused connection is tried again until the deadline.)"""
     target = session_dir.ipc_dir / name
-    while not os.path.lexists(target):
+    while True:
         if stop.is_set():
             raise SandboxError("snapshot stream abandoned before the kernel opened it")
         if time.monotonic() > deadline:
             raise SandboxError(f"the kernel did not open its snapshot stream {name!r} in time")
+        if os.path.lexists(target):
+            fd = session_dir.open_socket(name)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(_IO_INTERVAL)
+                sock.connect(f"/proc/self/fd/{fd}")
+                return sock
+            except ConnectionRefusedError:
+                sock.close()
+            except OSError as exc:
+                sock.close()
+                raise SandboxError(
+                    f"cannot connect to the kernel's snapshot stream: {exc}"
+                ) from exc
+            finally:
+                os.close(fd)
         time.sleep(_POLL_INTERVAL)
-    fd = session_dir.open_socket(name)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(_IO_INTERVAL)
-        sock.connect(f"/proc/self/fd/{fd}")
-    except OSError as exc:
-        sock.close()
-        raise SandboxError(f"cannot connect to the kernel's snapshot stream: {exc}") from exc
-    finally:
-        os.close(fd)
-    return sock
 
 
 def _check(stop: threading.Event, deadline: float) -> None:
