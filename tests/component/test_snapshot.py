@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.util
 import io
 import json
 import os
 import pickle
 import shutil
-import sys
 import tarfile
 import types
 import uuid
@@ -671,18 +669,9 @@ async def _run_session(pair: Pair, session: Session) -> tuple[int, int, list[str
 
 
 def _load_snapshot_module() -> types.ModuleType:
-    name = "kernelhub_kernel_snapshot_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    package = KERNEL_IMAGE / "kernelhub_kernel" / "snapshot"
-    spec = importlib.util.spec_from_file_location(
-        name, package / "__init__.py", submodule_search_locations=[str(package)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    from tests.unit.snapshot.kernel_side import load
+
+    return load()
 
 
 @pytest.mark.parametrize(

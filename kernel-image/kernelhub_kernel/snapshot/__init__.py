@@ -107,6 +107,7 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from .analysis import CellUsage, _globals_used_by, analyze_cell  # noqa: F401 (API, tests)
@@ -127,17 +128,7 @@ def capture(path: str, base: str | None = None) -> dict[str, Any]:
     still in place), unchanged groups are hard-linked from it instead of written again.
     Returns the result dict (see the module docstring) and keeps it for ``last_result``.
     """
-    global _RESULT
-    shell = _shell()
-    session = _session_for(shell)
-    session.tracker.mark_own_execute()
-    started = time.perf_counter()
-    with _gc_paused(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = _Capture(shell, session, os.path.abspath(path), base).run()
-    result["duration"] = time.perf_counter() - started
-    _RESULT = result
-    return result
+    return _run(lambda shell, session: _Capture(shell, session, os.path.abspath(path), base).run())
 
 
 def restore(path: str, *, workspace: bool = True) -> dict[str, Any]:
@@ -147,6 +138,41 @@ def restore(path: str, *, workspace: bool = True) -> dict[str, Any]:
     A group that fails to load is reported member by member in ``failed``; the others
     load regardless. Must run inside the sandbox: loading executes the pickles.
     """
+    return _run(
+        lambda shell, session: _Restore(shell, session, os.path.abspath(path), workspace).run()
+    )
+
+
+def capture_stream(name: str) -> dict[str, Any]:
+    """A full snapshot sent to the host over the socket ``name`` in the kernel's socket
+    directory (see ``stream``), nothing staged in the sandbox. It does not change what
+    the next ``capture(dir, base=...)`` is incremental on. Returns the result dict."""
+
+    def run(shell: Any, session: Any) -> dict[str, Any]:
+        with contextlib.closing(accept(name)) as sock:
+            return _Capture(shell, session, "", None, stream=TarWriter(sock)).run()
+
+    return {**_run(run), "path": None}
+
+
+def restore_stream(name: str, *, workspace: bool = True) -> dict[str, Any]:
+    """Receive a snapshot from the host over the socket ``name`` and load it into this
+    (fresh) kernel, once the host's verdict on the blob is yes; as ``restore``."""
+
+    def run(shell: Any, session: Any) -> dict[str, Any]:
+        with contextlib.closing(accept(name)) as sock:
+            received = read_stream(TarReader(sock))
+        try:
+            return _Restore(shell, session, None, workspace, streamed=received).run()
+        finally:
+            if received.workspace is not None:
+                received.workspace.close()
+
+    return {**_run(run), "path": None}
+
+
+def _run(operation: Callable[[Any, Any], dict[str, Any]]) -> dict[str, Any]:
+    """One capture or restore: no GC passes, no warnings, timed, kept for last_result."""
     global _RESULT
     shell = _shell()
     session = _session_for(shell)
@@ -154,48 +180,7 @@ def restore(path: str, *, workspace: bool = True) -> dict[str, Any]:
     started = time.perf_counter()
     with _gc_paused(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = _Restore(shell, session, os.path.abspath(path), workspace).run()
-    result["duration"] = time.perf_counter() - started
-    _RESULT = result
-    return result
-
-
-def capture_stream(name: str) -> dict[str, Any]:
-    """A full snapshot sent to the host over the socket ``name`` in the kernel's socket
-    directory (see ``stream``), nothing staged in the sandbox. It does not change what
-    the next ``capture(dir, base=...)`` is incremental on. Returns the result dict."""
-    global _RESULT
-    shell = _shell()
-    session = _session_for(shell)
-    session.tracker.mark_own_execute()
-    started = time.perf_counter()
-    with contextlib.closing(accept(name)) as sock, _gc_paused(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = _Capture(shell, session, "", None, stream=TarWriter(sock)).run()
-    result["path"] = None
-    result["duration"] = time.perf_counter() - started
-    _RESULT = result
-    return result
-
-
-def restore_stream(name: str, *, workspace: bool = True) -> dict[str, Any]:
-    """Receive a snapshot from the host over the socket ``name`` and load it into this
-    (fresh) kernel, once the host's verdict on the blob is yes; as ``restore``."""
-    global _RESULT
-    shell = _shell()
-    session = _session_for(shell)
-    session.tracker.mark_own_execute()
-    started = time.perf_counter()
-    with contextlib.closing(accept(name)) as sock:
-        received = read_stream(TarReader(sock))
-    try:
-        with _gc_paused(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            result = _Restore(shell, session, None, workspace, streamed=received).run()
-    finally:
-        if received.workspace is not None:
-            received.workspace.close()
-    result["path"] = None
+        result = operation(shell, session)
     result["duration"] = time.perf_counter() - started
     _RESULT = result
     return result
