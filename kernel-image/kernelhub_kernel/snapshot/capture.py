@@ -34,8 +34,11 @@ from .common import (
     _describe_error,
     _MemberFailed,
     _NeedsDill,
+    _prepare_dir,
     _Refused,
     _session_key,
+    _write_atomic,
+    _write_parts,
 )
 from .grouping import _import_ref, _Reacher, _Refs
 from .picklers import _CPickler, _dill_pickler, _dill_warning_class, _global_refs, _Pickled
@@ -582,27 +585,3 @@ def _cell_log() -> list[Any] | None:
 
 def _is_code(value: Any) -> bool:
     return isinstance(value, (type, types.FunctionType, functools._lru_cache_wrapper))
-
-
-def _prepare_dir(path: str) -> None:
-    os.makedirs(os.path.join(path, GROUPS_DIR), mode=0o700, exist_ok=True)
-    leftovers = [n for n in os.listdir(path) if n != GROUPS_DIR]
-    leftovers += os.listdir(os.path.join(path, GROUPS_DIR))
-    if leftovers:
-        raise FileExistsError(
-            f"snapshot directory {path} is not empty ({len(leftovers)} entries);"
-            " pass a new directory for each snapshot"
-        )
-
-
-def _write_parts(path: str, parts: list[memoryview]) -> None:
-    with open(path, "wb") as f:
-        for part in parts:
-            f.write(part)
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

@@ -1,10 +1,12 @@
 """The snapshot format's constants, and what capture and restore share: the errors
-they raise inside the kernel, a phase clock, and a GC pause."""
+they raise inside the kernel, a phase clock, a GC pause, and the writing of a snapshot
+directory's files."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -88,3 +90,27 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _prepare_dir(path: str) -> None:
+    os.makedirs(os.path.join(path, GROUPS_DIR), mode=0o700, exist_ok=True)
+    leftovers = [n for n in os.listdir(path) if n != GROUPS_DIR]
+    leftovers += os.listdir(os.path.join(path, GROUPS_DIR))
+    if leftovers:
+        raise FileExistsError(
+            f"snapshot directory {path} is not empty ({len(leftovers)} entries);"
+            " pass a new directory for each snapshot"
+        )
+
+
+def _write_parts(path: str, parts: list[memoryview]) -> None:
+    with open(path, "wb") as f:
+        for part in parts:
+            f.write(part)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
