@@ -25,6 +25,7 @@ from .common import (
     _PARALLEL_HASH_BYTES,
     FORMAT,
     GROUPS_DIR,
+    IMPORTS,
     MANIFEST,
     MAX_REACH_OBJECTS,
     SCAN_LIMIT_BYTES,
@@ -100,6 +101,9 @@ class _Capture:
         if self.stream is None:
             _prepare_dir(self.path)
         variables, imports, skipped = self._classify()
+        if self.stream is not None:
+            modules = sorted({spec["module"] for spec in imports.values()})
+            self.stream.add_parts(IMPORTS, [memoryview(json.dumps(modules).encode())])
         incremental, full_reason = self._check_base()
         tracker = self.session.tracker
         dirty = self._dirty(variables, incremental)

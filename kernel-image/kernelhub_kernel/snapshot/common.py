@@ -15,6 +15,8 @@ FORMAT = "kernelhub-snapshot/1"
 WORKSPACE_ENV = "KERNELHUB_WORKSPACE"
 DEFAULT_WORKSPACE = "/workspace"
 MANIFEST = "manifest.json"
+IMPORTS = "imports.json"
+"""Streamed only, first: the modules to import, so a restore imports them while it receives."""
 GROUPS_DIR = "groups"
 WORKSPACE_TAR = "workspace.tar"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import io
@@ -14,7 +15,15 @@ import tempfile
 import threading
 from typing import Any
 
-from .common import _COPY_CHUNK, _PARALLEL_HASH_BYTES, FORMAT, MANIFEST, WORKSPACE_TAR, _Clock
+from .common import (
+    _COPY_CHUNK,
+    _PARALLEL_HASH_BYTES,
+    FORMAT,
+    IMPORTS,
+    MANIFEST,
+    WORKSPACE_TAR,
+    _Clock,
+)
 from .picklers import _dill_unpickler_class
 from .replay import rebuild
 from .session import _Group, _Session
@@ -287,6 +296,7 @@ class _Streamed:
         self.manifest: Any = None
         self.workspace: Any = None
         self.timings: dict[str, float] = {}
+        self.importer: threading.Thread | None = None
 
     def group(self, entry: dict[str, Any]) -> tuple[Any, list[Any], _Digest]:
         name = entry["file"]
@@ -316,6 +326,26 @@ class _Streamed:
         return view[:pickle_bytes], buffers, digest
 
 
+def _import_meanwhile(modules: Any) -> threading.Thread:
+    """Import the snapshot's modules (numpy, pandas ...: a large part of a restore into a
+    fresh kernel) in a thread while the groups arrive; what fails here is reported by the
+    restore's own imports later.
+
+    This happens before the host's verdict: a blob edited on disk could make this fresh
+    kernel import any module already installed in it (and nothing else: names only, no
+    pickle is loaded before the verdict), which the session's own code may do anyway."""
+
+    def run() -> None:
+        for module in modules if isinstance(modules, list) else []:
+            if isinstance(module, str) and all(p.isidentifier() for p in module.split(".")):
+                with contextlib.suppress(Exception):
+                    importlib.import_module(module)
+
+    thread = threading.Thread(target=run, name="kernelhub-snapshot-imports", daemon=True)
+    thread.start()
+    return thread
+
+
 def read_stream(reader: TarReader) -> _Streamed:
     """Receive every member; raise (loading nothing) unless the host's verdict is yes."""
     clock = _Clock()
@@ -331,6 +361,8 @@ def read_stream(reader: TarReader) -> _Streamed:
                 got.files[name] = buffers
             elif name == MANIFEST:
                 got.manifest = json.loads(bytes(reader.read(size)))
+            elif name == IMPORTS and got.importer is None:
+                got.importer = _import_meanwhile(json.loads(bytes(reader.read(size))))
             elif name == WORKSPACE_TAR:
                 root = workspace_root()
                 os.makedirs(root, exist_ok=True)
@@ -339,6 +371,8 @@ def read_stream(reader: TarReader) -> _Streamed:
                 got.workspace.seek(0)
             else:
                 reader.skip(size)
+        if got.importer is not None:
+            got.importer.join()  # before anything unpickles: no import races it
         if not reader.verdict():
             raise ValueError(
                 "the host refused this snapshot (its integrity check failed); nothing loaded"
