@@ -391,8 +391,13 @@ class _Capture:
                 pending.pop(exc.index)
                 use_dill = bool(self._force_dill.intersection(pending))
                 continue
-            # A pickle identical to one written before was verified then.
-            known = pickled.size < _PARALLEL_HASH_BYTES and pickled.digest() in self._verified
+            # A pickle identical to one written before was verified then. (Not asked
+            # when streaming: that would hash it here, and the host hashes the stream.)
+            known = (
+                self.stream is None
+                and pickled.size < _PARALLEL_HASH_BYTES
+                and pickled.digest() in self._verified
+            )
             problems = [] if known else self._verify(pickled.data)
             if problems:
                 bad = self._attribute_problems(pending, variables, use_dill)
