@@ -11,18 +11,14 @@ import httpx
 import pytest
 
 from tests.conftest import UNIT
+from tests.gateway import test_gateway
 from tests.gateway.conftest import Gateway
 from tests.gateway.test_gateway import auth, new_session, run, stdout
 
 pytestmark = pytest.mark.docker
+http = test_gateway.http  # the fixture: a client of the test's gateway
 
 MiB = 2**20
-
-
-@pytest.fixture
-async def http(gateway: Gateway) -> Any:
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=300 * UNIT) as client:
-        yield client
 
 
 async def test_a_300_mib_namespace_snapshots_and_restores_with_default_limits(
@@ -65,15 +61,15 @@ async def test_a_snapshot_over_the_cap_is_a_413_naming_the_knob(
     make_gateway: Any, tmp_path: Path
 ) -> None:
     gateway = make_gateway(KERNELHUB_GATEWAY__MAX_SNAPSHOT_BYTES=str(16 * MiB))
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as http:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as client:
         token = gateway.token("alice")
-        sid = await new_session(http, token)
-        await run(http, token, sid, "import numpy as np\nbig = np.ones(40 * 2**20 // 8)")
-        r = await http.post(f"/v1/sessions/{sid}/snapshots", headers=auth(token))
+        sid = await new_session(client, token)
+        await run(client, token, sid, "import numpy as np\nbig = np.ones(40 * 2**20 // 8)")
+        r = await client.post(f"/v1/sessions/{sid}/snapshots", headers=auth(token))
         assert r.status_code == 413, r.text
         assert "KERNELHUB_GATEWAY__MAX_SNAPSHOT_BYTES" in r.json()["message"]
         assert not list((Path(gateway.env["KERNELHUB_DATA_DIR"]) / "snapshots").glob("*.blob"))
-        after = await run(http, token, sid, "print(big.size)")
+        after = await run(client, token, sid, "print(big.size)")
         assert stdout(after) == f"{40 * 2**20 // 8}\n"
 
 
