@@ -16,7 +16,7 @@ run, interleaved sample by sample where the two can take turns. Sections, in ord
 - output: 50 MB of output over the WebSocket vs the engine, and the gateway's RSS;
 - memory: an idle session's sandbox vs a bare ipykernel on the host;
 - hibernate: idle session to hibernated, and the execute that wakes it;
-- snapshot: capture and restore vs dill (``bench/snapshot.py``, smaller namespace).
+- snapshot: API snapshot and restore vs pickle.dump/pickle.load (and dill) in the same sandbox (``bench/snapshot_api.py``).
 
 ``--quick`` runs every section with few samples (a smoke test of a couple of minutes);
 its numbers are not for quoting. Everything talks to loopback or unix sockets only.
@@ -42,7 +42,7 @@ from typing import TypeVar
 import docker
 import engine
 import gateway
-import snapshot
+import snapshot_api
 from floor import FIRST_PRINT, BareContainers, FloorKernel
 from gateway import Gateway, WsSession
 from jupyter_kernel_gateway import KernelGateway
@@ -85,15 +85,15 @@ class Plan:
     warm_starts: int
     sessions: tuple[int, ...]  # concurrency levels
     cells: int  # per session at each level
-    snapshot_rows: int
+    snapshot_sizes: tuple[int, ...]  # MiB of numeric namespace, snapshotted through the API
     snapshot_runs: int
 
 
 FULL = Plan(rounds=200, warmup=20, first_prints=15, starts=10, warm_starts=20,
-            sessions=(10, 50, 100), cells=50, snapshot_rows=3_000_000, snapshot_runs=3)  # fmt: skip
+            sessions=(10, 50, 100), cells=50, snapshot_sizes=(10, 100, 500), snapshot_runs=3)  # fmt: skip
 # 100 sessions alone take over a minute to start on 2 cores: --quick stops at 50.
 QUICK = Plan(rounds=20, warmup=5, first_prints=3, starts=2, warm_starts=3,
-             sessions=(10, 50), cells=3, snapshot_rows=100_000, snapshot_runs=1)  # fmt: skip
+             sessions=(10, 50), cells=3, snapshot_sizes=(10,), snapshot_runs=1)  # fmt: skip
 
 
 async def gather_limited(limit: int, jobs: Iterable[Callable[[], Awaitable[T]]]) -> list[T]:
@@ -565,15 +565,19 @@ class Suite:
         ]  # fmt: skip
 
     async def snapshots(self) -> list[Row]:
-        m = await snapshot.measure(self.plan.snapshot_rows, self.plan.snapshot_runs)
+        sizes = self.plan.snapshot_sizes
+        rounds = max(self.plan.snapshot_runs, 3)
+        results = await snapshot_api.measure(sizes, rounds, self.root / "gateway-snap")
         self.note(
             "snapshot",
-            f"`bench/snapshot.py`'s namespace with {m.rows:,} rows ({m.variables} variables),"
-            " in kernelhub's kernel run as a host process (snapshots to the host's TMPDIR, a disk"
-            " here, a tmpfs in a sandbox). Floors: dill on the same objects in the same kernel."
-            f" Captures: median of {m.runs}. The standalone script has the details.",
+            "Through the API, with a gateway of its own and Docker sandboxes (`bench/snapshot_api.py`):"
+            f" numeric namespaces of {', '.join(f'{s} MiB' for s in sizes)} (four float64 arrays"
+            " and a small dict). Floors: `pickle.dump(protocol=5)` and `pickle.load` of the same"
+            " objects in the same sandbox (to its /workspace, a tmpfs), with dill beside them."
+            " Restore is `POST /v1/sessions` with `from_snapshot` minus a plain one in the same round."
+            f" {rounds} interleaved rounds: median, spread min–max.",
         )
-        return snapshot.summary_rows(m)
+        return snapshot_api.rows(results)
 
 
 SECTIONS: dict[str, Callable[[Suite], Awaitable[list[Row]]]] = {

@@ -131,6 +131,11 @@ class RestoreReport(BaseModel):
     restored: list[str]
     failed: dict[str, str]
     skipped: dict[str, str]
+    rebuilt: dict[str, str] = Field(
+        default_factory=dict,
+        description="objects the pickler could not carry, rebuilt by re-running the cell "
+        "that made them (also in restored); how each was rebuilt",
+    )
     execution_count: int | None = None
     duration: float
 

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from kernelhub_kernel import bounds, patches
+from kernelhub_kernel import bounds, cell_log, patches
 
 FLUSH_INTERVAL_ENV = "KERNELHUB_FLUSH_INTERVAL"
 
@@ -67,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     patches.deliver_fd_output_in_its_cell(app.shell, streams)
     patches.stop_output_history(app.shell)
     patches.warm_tracebacks(app.shell)
+    # Before the first cell: what a cell did outside the session is seen only as it runs.
+    cell_log.install(app.shell)
     app.start()
 
 

@@ -175,6 +175,18 @@ class SessionDir:
             os.close(dir_fd)
         return fds
 
+    def open_socket(self, name: str) -> int:
+        """Open one more socket the kernel bound in ``ipc/`` (a snapshot stream) as a
+        checked ``O_PATH`` descriptor, as ``open_sockets`` does; the caller closes it."""
+        try:
+            dir_fd = os.open(self.ipc_dir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise SandboxError(f"socket directory {self.ipc_dir} is unusable: {exc}") from exc
+        try:
+            return _open_socket(dir_fd, name, self.sandbox_uid)
+        finally:
+            os.close(dir_fd)
+
 
 def _open_socket(dir_fd: int, name: str, uid: int) -> int:
     try:

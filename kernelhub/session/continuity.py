@@ -15,7 +15,6 @@ checkpoint hook, death watch) and ``spawn`` (a task the manager owns).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -31,7 +30,7 @@ from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.live import LiveSession
 from kernelhub.session.recorder import Recorder
 from kernelhub.session.state import SessionState, Transition
-from kernelhub.snapshot import calls
+from kernelhub.snapshot import calls, transfer
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store.quota import StorageGuard
 from kernelhub.store.sqlite import AuditEntry, Principal, SqliteStore, StoredSnapshot
@@ -422,20 +421,20 @@ class Continuity:
         session_id = live.id
         name = f"snap-{uuid.uuid4().hex[:12]}"
         t0 = time.monotonic()
-        try:
-            answers = await kernel.call(calls.capture(name), calls.RESULT, timeout=timeout)
-        except KernelhubError:  # a capture cut short may have left part of its files
-            self._spawn(self._remove_capture(kernel, name))
-            raise
-        result = calls.result(answers)
         snapshot_id = uuid.uuid4().hex[:16]
         limit = self.settings.gateway.max_snapshot_bytes
+        # Streamed from the kernel's pickler to the blob file, nothing staged in the
+        # sandbox; the socket, the hash and the disk are on worker threads.
+        target = self.blobs.prepare(snapshot_id)
         try:
-            size, sha256 = await self.blobs.write(
-                snapshot_id, kernel.pack_snapshot(name, limit), limit
+            (size, sha256), answers = await transfer.alongside(
+                transfer.pull(kernel.sandbox.session_dir, name, target, limit, timeout),
+                kernel.call(calls.capture_stream(name), calls.RESULT, timeout=timeout),
             )
-        finally:
-            self._spawn(self._remove_capture(kernel, name))
+            result = calls.result(answers)
+        except BaseException:
+            self.blobs.remove(snapshot_id)
+            raise
         metadata = {
             "kind": kind,
             "duration": time.monotonic() - t0,
@@ -467,13 +466,6 @@ class Continuity:
         )
         return _snapshot_info(stored)
 
-    async def _remove_capture(self, kernel: KernelSession, name: str) -> None:
-        """Remove a capture's files in the sandbox when the kernel gets to it. Not awaited
-        by the capture: a cell queued meanwhile may run for hours, and a hibernation slot
-        must not wait for it."""
-        with contextlib.suppress(KernelhubError):
-            await kernel.call(calls.remove(name), {}, timeout=60)
-
     async def snapshots(self, principal: Principal) -> list[SnapshotInfo]:
         stored = await self.snapshots_store.list_snapshots(principal.name)
         return [_snapshot_info(s) for s in stored if s.metadata.get("kind") != "hibernation"]
@@ -494,23 +486,25 @@ class Continuity:
         """Only the owner restores; the blob's MAC is checked before any sandbox sees it,
         and it is only ever loaded inside this brand-new sandbox."""
         snap = await self.get_snapshot(principal, snapshot_id)
-        self.blobs.verify(snap.id, snap.owner, snap.sha256, snap.mac)
+        source = self.blobs.existing(snap.id)
         name = f"restore-{uuid.uuid4().hex[:12]}"
         t0 = time.monotonic()
-        limit = self.settings.gateway.max_snapshot_bytes
-        await kernel.unpack_snapshot(name, self.blobs.read(snap.id), limit)
-        result = calls.result(
-            await kernel.call(
-                calls.restore(name), calls.RESULT, timeout=self.settings.gateway.snapshot_timeout
-            )
+        timeout = self.settings.gateway.snapshot_timeout
+        # Hashed once, as it streams; the kernel loads nothing unless the MAC matched.
+        accept = transfer.mac_check(
+            snap.sha256, lambda sha: self.blobs.mac(snap.id, snap.owner, sha), snap.mac
         )
-        with contextlib.suppress(KernelhubError):
-            await kernel.call(calls.remove(name), {}, timeout=60)
+        _, answers = await transfer.alongside(
+            transfer.push(kernel.sandbox.session_dir, name, source, accept, timeout),
+            kernel.call(calls.restore_stream(name), calls.RESULT, timeout=timeout),
+        )
+        result = calls.result(answers)
         report = RestoreReport(
             snapshot_id=snap.id,
             restored=list(result.get("restored", [])),
             failed={str(k): str(v) for k, v in dict(result.get("failed", {})).items()},
             skipped={str(k): str(v) for k, v in dict(result.get("skipped", {})).items()},
+            rebuilt={str(k): str(v) for k, v in dict(result.get("rebuilt", {})).items()},
             execution_count=result.get("execution_count"),
             duration=time.monotonic() - t0,
         )

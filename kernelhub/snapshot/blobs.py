@@ -68,6 +68,18 @@ class BlobStore:
             raise
         return size, digest.hexdigest()
 
+    def prepare(self, snapshot_id: str) -> Path:
+        """The path a new blob is to be written at (``transfer.receive`` creates it)."""
+        self._secret()
+        return self.path(snapshot_id)
+
+    def existing(self, snapshot_id: str) -> Path:
+        """The blob's path; ``NotFoundError`` if this host has no data for it."""
+        target = self.path(snapshot_id)
+        if not target.is_file():
+            raise NotFoundError(f"snapshot {snapshot_id} has no data on this host")
+        return target
+
     def verify(self, snapshot_id: str, owner: str, sha256: str, mac: str) -> None:
         """Refuse a blob that is missing, edited, or not this owner's."""
         target = self.path(snapshot_id)

@@ -43,6 +43,17 @@ def restore(name: str) -> str:
     return _GUARD.format(call=f"{_MODULE}.restore({_DIR.format(name=_check(name))})")
 
 
+def capture_stream(name: str) -> str:
+    """Capture straight into the socket ``name`` the kernel binds in its socket directory
+    (the host reads it with ``transfer.pull``)."""
+    return _GUARD.format(call=f"{_MODULE}.capture_stream({_check(name)!r})")
+
+
+def restore_stream(name: str) -> str:
+    """Restore from the socket ``name`` (the host writes it with ``transfer.push``)."""
+    return _GUARD.format(call=f"{_MODULE}.restore_stream({_check(name)!r})")
+
+
 def remove(name: str) -> str:
     return f"__import__('shutil').rmtree({_DIR.format(name=_check(name))}, ignore_errors=True)"
 

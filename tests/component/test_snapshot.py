@@ -1,4 +1,4 @@
-"""Snapshots (``kernel-image/kernelhub_kernel/snapshot.py``) between real kernels.
+"""Snapshots (``kernel-image/kernelhub_kernel/snapshot/``) between real kernels.
 
 Kernel A runs cells and captures; the snapshot directory is copied (what the host does
 with the files: move them as an opaque blob) and restored in a fresh kernel B, whose
@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.util
 import io
 import json
 import os
 import pickle
 import shutil
-import sys
 import tarfile
 import types
 import uuid
@@ -482,7 +480,7 @@ async def test_hostile_snapshot_only_ever_loads_in_the_sandbox(pair: Pair) -> No
                 root = node.value
                 if isinstance(root, ast.Name) and root.id in {"pickle", "dill", "cloudpickle"}:
                     loaders.append(f"{path.relative_to(REPO)}:{node.lineno}")
-    assert all(loc.startswith("kernel-image/kernelhub_kernel/snapshot.py") for loc in loaders), (
+    assert all(loc.startswith("kernel-image/kernelhub_kernel/snapshot/") for loc in loaders), (
         loaders
     )
     assert loaders, "the in-sandbox loader was not found: the scan is broken"
@@ -671,17 +669,9 @@ async def _run_session(pair: Pair, session: Session) -> tuple[int, int, list[str
 
 
 def _load_snapshot_module() -> types.ModuleType:
-    name = "kernelhub_kernel_snapshot_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, KERNEL_IMAGE / "kernelhub_kernel" / "snapshot.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    from tests.unit.snapshot.kernel_side import load
+
+    return load()
 
 
 @pytest.mark.parametrize(
