@@ -15,6 +15,7 @@ checkpoint hook, death watch) and ``spawn`` (a task the manager owns).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
