@@ -29,9 +29,10 @@ from kernelhub.errors import (
     SessionClosedError,
     SessionError,
     StorageFullError,
+    StoreConflictError,
+    StoreError,
     TooLargeError,
 )
-from kernelhub.store.sqlite import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,9 @@ STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
     (InvalidRequestError, 400, "invalid_request"),
     (SessionClosedError, 410, "session_ended"),
     (SessionError, 409, "conflict"),
-    (StoreError, 409, "conflict"),
+    (StoreConflictError, 409, "conflict"),
+    # The store closed (shutdown) or its server went away: the request may work later.
+    (StoreError, 503, "store_unavailable"),
     (ImageError, 503, "image_unavailable"),
     (BackendUnavailableError, 503, "backend_unavailable"),
     (SandboxError, 503, "sandbox_failed"),

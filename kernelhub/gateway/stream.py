@@ -34,7 +34,7 @@ from kernelhub.gateway.ws_protocol import (
 from kernelhub.models import QUIET_EVENT_TYPES
 from kernelhub.session.fanout import Published, Subscriber
 from kernelhub.session.manager import LiveSession, SessionManager
-from kernelhub.store.sqlite import Principal
+from kernelhub.store.records import Principal
 from kernelhub.wire import (
     AcceptedFrame,
     ClientFrame,

@@ -27,7 +27,8 @@ from kernelhub.models import ExecutionStatus, NoticeEvent
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.snapshot import calls
 from kernelhub.snapshot.blobs import BlobStore
-from kernelhub.store.sqlite import AuditEntry, Principal, SqliteStore, StoredSnapshot
+from kernelhub.store.base import Store
+from kernelhub.store.records import AuditEntry, Principal, StoredSnapshot
 from kernelhub.wire import RestoreReport, RewindReport, SessionState, SnapshotInfo
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class Continuity:
     if TYPE_CHECKING:  # provided by SessionManager
         settings: Settings
         backend: SandboxBackend
-        store: SqliteStore
+        store: Store
         blobs: BlobStore
         storage: StorageGuard
         sessions: dict[str, LiveSession]

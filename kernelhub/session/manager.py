@@ -33,6 +33,7 @@ from kernelhub.errors import (
     QuotaError,
     SessionClosedError,
     SessionError,
+    StoreError,
 )
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
 from kernelhub.models import (
@@ -49,16 +50,10 @@ from kernelhub.session.continuity import Continuity
 from kernelhub.session.fanout import SessionFanout
 from kernelhub.session.pool import WarmPool
 from kernelhub.snapshot.blobs import BlobStore
+from kernelhub.store.base import Store
 from kernelhub.store.quota import StorageGuard
+from kernelhub.store.records import AuditEntry, Principal, StoredExecution, StoredSession
 from kernelhub.store.retention import RetentionSweeper
-from kernelhub.store.sqlite import (
-    AuditEntry,
-    Principal,
-    SqliteStore,
-    StoredExecution,
-    StoredSession,
-    StoreError,
-)
 from kernelhub.wire import (
     ExecutionCreate,
     ExecutionInfo,
@@ -69,11 +64,6 @@ from kernelhub.wire import (
 )
 
 log = logging.getLogger(__name__)
-# A cell's final event and its record (two writes), maybe its last output, and what may
-# have waited for them (its row, its running and result events: coalesce_window): a
-# commit this small is one cell finishing alone, and its client should not wait for the
-# turn to end.
-_LONE_FINAL_OPS = 8
 
 
 def execution_info(row: StoredExecution, events: list[Event] | None) -> ExecutionInfo:
@@ -128,7 +118,7 @@ class SessionManager(Continuity):
         self,
         settings: Settings,
         backend: SandboxBackend,
-        store: SqliteStore,
+        store: Store,
         observer: Observer | None = None,
     ) -> None:
         # The store is the record of finished executions; engines keep none in memory.
@@ -445,7 +435,6 @@ class SessionManager(Continuity):
             while len(self._recent_records) > 1024:
                 self._recent_records.popitem(last=False)
             self._finish(live, event.record)
-            self.store.commit_now_if_small(_LONE_FINAL_OPS)
         elif isinstance(event, InputReplyEvent):
             # Who answered (a principal, or the deadline), when, and what.
             entry = AuditEntry(
@@ -467,7 +456,7 @@ class SessionManager(Continuity):
         if code is None or not live.fanout.joins_this_commit():
             self._spawn(self._finished(live, record, code))
             return
-        done = self.store.finish_execution_soon(record, self._audit_final(live, record, code))
+        done = self.store.finish_execution(record, self._audit_final(live, record, code))
         done.add_done_callback(
             lambda fut: self._settle(
                 record, StoreError("the store closed") if fut.cancelled() else fut.exception()
@@ -481,7 +470,9 @@ class SessionManager(Continuity):
             if code is None:  # adopted after a restart: the code is only in the store
                 stored = await self.store.get_execution(record.execution_id)
                 code = stored.code if stored else None
-            await self.store.finish_execution(record, self._audit_final(live, record, code))
+            await asyncio.shield(
+                self.store.finish_execution(record, self._audit_final(live, record, code))
+            )
             error = None
         except Exception as exc:
             error = exc
@@ -788,7 +779,7 @@ class SessionManager(Continuity):
             # wait there briefly for the cell's next event (see coalesce_window).
             self._storing[row.id] = []
             self._spawn(
-                self.store.insert_execution_soon(
+                self.store.insert_execution(
                     row,
                     partial(self._stored, row.id),
                     wait=self.settings.gateway.coalesce_window,

@@ -15,7 +15,8 @@ import pytest
 
 from kernelhub.models import ExecutionStatus, StatusEvent, StreamEvent
 from kernelhub.session.fanout import SessionFanout
-from kernelhub.store.sqlite import SqliteStore, StoredExecution, StoredSession
+from kernelhub.store.records import StoredExecution, StoredSession
+from kernelhub.store.sqlite import SqliteStore
 
 SID = "s1"
 
@@ -61,7 +62,7 @@ async def test_a_new_execution_waits_with_its_running_and_is_on_disk_before_anyo
     )  # fmt: skip
 
     fanout.publish(StatusEvent(execution_id="e1", seq=1, status=ExecutionStatus.RUNNING))
-    store.insert_execution_soon(row, lambda error: seen.append(on_disk(store, "e1")), wait=0.3)
+    store.insert_execution(row, lambda error: seen.append(on_disk(store, "e1")), wait=0.3)
     await asyncio.sleep(0.05)
     assert seen == [] and not on_disk(store, "e1")  # both wait for company
 

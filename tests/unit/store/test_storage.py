@@ -18,16 +18,11 @@ from kernelhub.errors import ConfigError, StorageFullError
 from kernelhub.models import EndedBy, ExecutionRecord, ExecutionStatus
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store import migrations
+from kernelhub.store.migrations import SCHEMA
 from kernelhub.store.quota import StorageGuard, StorageLedger
+from kernelhub.store.records import AuditEntry, StoredExecution, StoredSession, StoredSnapshot
 from kernelhub.store.retention import RetentionSweeper
-from kernelhub.store.sqlite import (
-    SCHEMA,
-    AuditEntry,
-    SqliteStore,
-    StoredExecution,
-    StoredSession,
-    StoredSnapshot,
-)
+from kernelhub.store.sqlite import SqliteStore
 
 
 def session(sid: str, owner: str) -> StoredSession:
@@ -59,6 +54,12 @@ def scanned_usage(path: Path, owner: str) -> int:
         return int(events + execs)
 
 
+def checkpoint(path: Path) -> None:
+    """Another connection checkpoints the WAL into the file (the file's size is then real)."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+
 async def fill(store: SqliteStore, sid: str, owner: str, cells: int, body_bytes: int) -> None:
     """``cells`` executions with one event of about ``body_bytes`` each, and a record."""
     now = datetime.now(UTC)
@@ -71,7 +72,7 @@ async def fill(store: SqliteStore, sid: str, owner: str, cells: int, body_bytes:
             )
         )  # fmt: skip
         body = '{"type":"stream","text":"' + ("x" * body_bytes) + '"}'
-        await store.append_event_soon(sid, i + 1, eid, body, lambda error: None)
+        await store.append_event(sid, i + 1, eid, body, lambda error: None)
         record = ExecutionRecord(
             execution_id=eid, status=ExecutionStatus.COMPLETED, ended_by=EndedBy.REPLY,
             queued_at=now, finished_at=now,
@@ -89,7 +90,7 @@ async def test_usage_is_counted_as_rows_are_written_and_survives_a_restart(
     await fill(store, "a1", "alice", 5, 10_000)
     await fill(store, "b1", "bob", 2, 100)
     # A replayed event (same seq) is ignored by the store and must not be charged twice.
-    await store.append_event_soon("a1", 1, "a1-e0", '{"again":1}', lambda error: None)
+    await store.append_event("a1", 1, "a1-e0", '{"again":1}', lambda error: None)
     alice, bob = store.ledger.usage("alice"), store.ledger.usage("bob")
     assert alice == scanned_usage(store.path, "alice") and alice > 50_000
     assert bob == scanned_usage(store.path, "bob") and 0 < bob < alice
@@ -119,7 +120,7 @@ async def test_purge_deletes_a_sessions_rows_and_the_file_shrinks(
                 size=4, sha256="0", mac="0", metadata={"kind": kind},
             )
         )  # fmt: skip
-    await store.on_thread(lambda db: db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
+    checkpoint(store.path)
     before = store.path.stat().st_size
     kept = store.ledger.usage("alice") - store.ledger.session_bytes("a1")
     await store.update_session("a1", state="deleted", deleted=True)
@@ -187,13 +188,12 @@ async def test_a_database_from_before_versioning_is_migrated_once(tmp_path: Path
     store = await SqliteStore.open(path)
     try:
         assert store.ledger.usage("alice") == 5000
-        stored = await store.on_thread(
-            lambda db: (
+        with contextlib.closing(sqlite3.connect(store.path)) as db:
+            stored = (
                 db.execute("SELECT version FROM schema_version").fetchall(),
                 db.execute("PRAGMA auto_vacuum").fetchone()[0],
                 db.execute("SELECT ended_at FROM sessions").fetchone()[0],
             )
-        )
         assert stored[0] == [(migrations.LATEST,)] and stored[1] == 2 and stored[2] is not None
     finally:
         await store.close()
