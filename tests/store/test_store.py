@@ -1,101 +1,33 @@
-"""The Store contract (store/base.py), run against every backend: SQLite in a temporary
-file and a real PostgreSQL server (tests/postgres.py; a fresh schema per test)."""
+"""The Store contract (store/base.py), run against every backend (see conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from kernelhub.config import StorageSettings
 from kernelhub.errors import ConfigError, StoreConflictError, StoreError
-from kernelhub.models import EndedBy, ExecutionRecord, ExecutionStatus, StatusEvent, StreamEvent
+from kernelhub.models import ExecutionStatus, StatusEvent
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store import migrations
 from kernelhub.store.base import Store
-from kernelhub.store.postgres import PostgresStore
-from kernelhub.store.queries import Op, Query
-from kernelhub.store.records import (
-    AuditEntry,
-    StoredBatch,
-    StoredBatchItem,
-    StoredExecution,
-    StoredSession,
-    StoredSnapshot,
-)
+from kernelhub.store.records import AuditEntry, StoredBatch, StoredBatchItem, StoredSnapshot
 from kernelhub.store.retention import RetentionSweeper
 from kernelhub.store.sql import SqlStore
-from kernelhub.store.sqlite import SqliteStore
-
-Opener = Callable[[], Awaitable[SqlStore]]
-NOW = datetime.now(UTC)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
-    """Opens the same database again on each call (a restart)."""
-    if request.param == "sqlite":
-        path = tmp_path / "kh.sqlite3"
-        return lambda: SqliteStore.open(path, audit_code_bytes=64, node="n1")
-    url = request.getfixturevalue("postgres_cluster").fresh_url()
-    return lambda: PostgresStore.open(url, audit_code_bytes=64, node="n1")
-
-
-@pytest.fixture
-async def store(opener: Opener) -> AsyncIterator[SqlStore]:
-    s = await opener()
-    yield s
-    await s.close()
-
-
-def session(sid: str, owner: str = "alice") -> StoredSession:
-    return StoredSession(
-        id=sid, owner=owner, backend="docker", state="ready", created_at=NOW, limits={"a": 1},
-        metadata={"m": "x"}, reason=None, deleted_at=None,
-    )  # fmt: skip
-
-
-def execution(eid: str, sid: str = "s1", key: str | None = None) -> StoredExecution:
-    return StoredExecution(
-        id=eid, session_id=sid, owner="alice", code=f"print({eid!r})",
-        status=ExecutionStatus.QUEUED, idempotency_key=key, created_at=datetime.now(UTC),
-        record=None,
-    )  # fmt: skip
-
-
-def record(eid: str) -> ExecutionRecord:
-    return ExecutionRecord(
-        execution_id=eid, status=ExecutionStatus.COMPLETED, ended_by=EndedBy.REPLY,
-        queued_at=NOW, finished_at=NOW,
-    )  # fmt: skip
-
-
-def stream(seq: int, eid: str = "e1", text: str = "x") -> str:
-    return StreamEvent(execution_id=eid, seq=seq, name="stdout", text=text).model_dump_json()
-
-
-async def scan(store: SqlStore, sql: str, *params: object) -> list[tuple[object, ...]]:
-    """What is really in the tables, read past the store's methods."""
-
-    def op() -> Op[list[tuple[object, ...]]]:
-        return (yield Query(sql, params))
-
-    return await store._read(op())
-
-
-async def scanned_usage(store: SqlStore, owner: str) -> int:
-    rows = await scan(
-        store,
-        "SELECT (SELECT COALESCE(SUM(length(e.body)), 0) FROM events e JOIN sessions s"
-        " ON s.id = e.session_id WHERE s.owner = ?) + (SELECT COALESCE(SUM(length(code)"
-        " + COALESCE(length(record), 0)), 0) FROM executions WHERE owner = ?)",
-        owner,
-        owner,
-    )
-    return int(rows[0][0])  # type: ignore[call-overload]
+from tests.store.conftest import Opener
+from tests.store.rows import (
+    NOW,
+    execution,
+    record,
+    scan,
+    scanned_usage,
+    session,
+    statement,
+    stream,
+)
 
 
 async def test_sessions_carry_their_node_and_a_lease(store: Store) -> None:
@@ -287,12 +219,8 @@ async def test_the_schema_is_versioned_usage_survives_a_restart_and_newer_is_ref
     try:
         assert again.ledger.usage("alice") == usage > 0
         newer = migrations.LATEST + 1
-        await again._alone(_statement(f"UPDATE schema_version SET version = {newer}"))
+        await again._alone(statement(f"UPDATE schema_version SET version = {newer}"))
     finally:
         await again.close()
     with pytest.raises(ConfigError, match="newer than this kernelhub"):
         await opener()
-
-
-def _statement(sql: str) -> Op[object]:
-    return (yield Query(sql))
