@@ -54,11 +54,12 @@ def insert_execution(e: StoredExecution, ledger: StorageLedger) -> Op[StoredExec
     """Insert; if the owner already used the idempotency key, return that execution."""
     inserted = yield Query(
         "INSERT INTO executions (id, session_id, owner, code, status, idempotency_key,"
-        " created_at) VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING RETURNING 1",
+        " created_at) VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
         (e.id, e.session_id, e.owner, e.code, e.status.value, e.idempotency_key,
          e.created_at.isoformat()),
+        rowcount=True,
     )  # fmt: skip
-    if inserted:
+    if inserted[0][0]:
         ledger.charge(e.session_id, len(e.code))
         return e
     found = yield from execution_by_key(e.owner, e.idempotency_key or "")
@@ -126,17 +127,18 @@ def executions_of(session_id: str) -> Op[list[StoredExecution]]:
 # -- events -----------------------------------------------------------------------------
 
 
-def append_event(
-    session_id: str, seq: int, execution_id: str, body: str, ledger: StorageLedger
-) -> Op[None]:
-    # A retried commit may meet the row it wrote before: the first one stands.
+def append_events(rows: list[tuple[str, int, str, str]], ledger: StorageLedger) -> Op[None]:
+    """Event rows ``(session_id, seq, execution_id, JSON body)``; a row already stored under
+    its seq stands (a retried commit may meet the row it wrote before)."""
     inserted = yield Query(
         "INSERT INTO events (session_id, seq, execution_id, body) VALUES (?,?,?,?)"
-        " ON CONFLICT DO NOTHING RETURNING 1",
-        (session_id, seq, execution_id, body),
+        " ON CONFLICT DO NOTHING",
+        many=rows,
+        rowcount=True,
     )
-    if inserted:
-        ledger.charge(session_id, len(body))
+    for (n,), (session_id, _, _, body) in zip(inserted, rows, strict=True):
+        if n:
+            ledger.charge(session_id, len(body))
 
 
 def events_since(session_id: str, since: int, limit: int, max_bytes: int) -> Op[list[Row]]:
@@ -189,11 +191,14 @@ AUDIT_COLUMNS = (
 )  # fmt: skip
 
 
+_INSERT_AUDIT = f"INSERT INTO audit ({', '.join(AUDIT_COLUMNS[1:])}) VALUES ({','.join('?' * 15)})"
+
+
 def audit(entry: AuditEntry, code_bytes: int) -> Op[None]:
     # Who, when and what, with the code bounded: its head, full length and hash.
     code, size, sha256 = bounded_code(entry.code, code_bytes)
     yield Query(
-        f"INSERT INTO audit ({', '.join(AUDIT_COLUMNS[1:])}) VALUES ({','.join('?' * 15)})",
+        _INSERT_AUDIT,
         (now_iso(), entry.principal, entry.action, entry.session_id, entry.execution_id, code,
          entry.status, entry.duration, entry.cpu_seconds, entry.peak_memory_bytes,
          entry.output_bytes, entry.client,

@@ -63,7 +63,7 @@ class PostgresStore(SqlStore):
         self.url = url
         self.where = where(url)
         self._conn: Any = None  # psycopg.AsyncConnection
-        self._queue: asyncio.Queue[tuple[Op[Any], bool, asyncio.Future[Any]] | None] = (
+        self._queue: asyncio.Queue[tuple[list[Op[Any]], bool, asyncio.Future[Any]] | None] = (
             asyncio.Queue()
         )
         self._worker: asyncio.Task[None] | None = None
@@ -76,7 +76,7 @@ class PostgresStore(SqlStore):
         await store._connect()
         try:
             await store._migrate()
-            rows = await store._run(_statement(Query(StorageLedger.LOAD)), write=False)
+            [rows] = await store._run([_statement(Query(StorageLedger.LOAD))], write=False)
             store.ledger.load(rows)
         except BaseException:
             await store._conn.close()
@@ -101,15 +101,15 @@ class PostgresStore(SqlStore):
 
     async def _migrate(self) -> None:
         lock = Query(f"SELECT pg_advisory_lock({_MIGRATION_LOCK})")
-        await self._run(_statement(lock), write=False)
+        await self._run([_statement(lock)], write=False)
         try:
-            start = await self._run(migrations.create(), write=True)
+            [start] = await self._run([migrations.create()], write=True)
             migrations.check(start, self.where, "KERNELHUB_STORE__URL")
             for at in range(start, migrations.LATEST):
-                await self._run(migrations.upgrade(at), write=True)
+                await self._run([migrations.upgrade(at)], write=True)
         finally:
             unlock = Query(f"SELECT pg_advisory_unlock({_MIGRATION_LOCK})")
-            await self._run(_statement(unlock), write=False)
+            await self._run([_statement(unlock)], write=False)
 
     async def close(self) -> None:
         await self._closing()
@@ -123,28 +123,31 @@ class PostgresStore(SqlStore):
 
     # -- running operations -------------------------------------------------------------
 
-    def _submit(self, op: Op[T], *, write: bool, big: bool, size: int = 0) -> asyncio.Future[T]:
+    def _submit(
+        self, ops: list[Op[Any]], *, write: bool, big: bool, size: int = 0
+    ) -> asyncio.Future[list[Any]]:
         if self._worker is None or self._worker.done():
-            op.close()
+            for op in ops:
+                op.close()
             raise StoreError(f"the store {self.where} is closed (the gateway is stopping)")
-        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((op, write, fut))
+        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((ops, write, fut))
         return fut
 
     async def _work(self) -> None:
         while (job := await self._queue.get()) is not None:
-            op, write, fut = job
+            ops, write, fut = job
             try:
-                result = await self._run(op, write=write)
+                results = await self._run(ops, write=write)
             except Exception as exc:
                 if not fut.done():
                     fut.set_exception(exc)
             else:
                 if not fut.done():
-                    fut.set_result(result)
+                    fut.set_result(results)
 
-    async def _run(self, op: Op[T], *, write: bool) -> T:
-        """``op`` on the connection (reconnecting once it broke); a write in a
+    async def _run(self, ops: list[Op[Any]], *, write: bool) -> list[Any]:
+        """``ops`` on the connection (reconnecting once it broke); a write in one
         transaction with the ledger's sums."""
         import psycopg
 
@@ -153,15 +156,17 @@ class PostgresStore(SqlStore):
                 log.warning("the store %s: connection lost; reconnecting", self.where)
                 await self._connect()
             if not write:
-                return await self._drive(op)
+                return [await self._drive(op) for op in ops]
             async with self._conn.transaction():
-                result = await self._drive(op)
-                await self._drive(self.ledger.write())
-            return result
+                results = [await self._drive(op) for op in ops]
+                if self.ledger.unwritten:
+                    await self._drive(self.ledger.write())
+            return results
         except psycopg.Error as exc:
             raise StoreError(f"the store {self.where} failed: {exc}") from exc
         finally:
-            op.close()
+            for op in ops:
+                op.close()
 
     async def _drive(self, op: Op[T]) -> T:
         async with self._conn.cursor() as cur:
@@ -181,10 +186,18 @@ class PostgresStore(SqlStore):
 async def _execute(cur: Any, query: Query) -> list[Row]:
     sql = text_of(query)
     if query.many is not None:
+        if query.rowcount:  # the count of each (a retried commit may meet its rows)
+            counts: list[Row] = []
+            for params in query.many:
+                await cur.execute(sql, params)
+                counts.append((cur.rowcount,))
+            return counts
         if query.many:
             await cur.executemany(sql, query.many)
         return []
     await cur.execute(sql, query.params)
+    if query.rowcount:
+        return [(cur.rowcount,)]
     if cur.description is None:
         return []
     rows: list[Row] = await cur.fetchall()

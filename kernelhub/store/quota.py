@@ -54,6 +54,11 @@ class StorageLedger:
         self._principal_bytes[owner] += size
         self._unwritten[session_id] = self._unwritten.get(session_id, 0) + size
 
+    @property
+    def unwritten(self) -> bool:
+        """Whether :meth:`write` has anything to do."""
+        return bool(self._unwritten)
+
     def write(self) -> Op[None]:
         """Persist what was charged since the last call (the driver runs this at the end
         of every write transaction, so the sums commit with the rows they count)."""

@@ -52,13 +52,17 @@ LONE_FINAL_WRITES = 8
 class _Commit:
     """The writes of one loop turn, committed together in one transaction."""
 
-    __slots__ = ("futures", "handle", "number", "ops", "size", "thens", "timed")
+    __slots__ = ("events", "futures", "handle", "number", "ops", "size", "thens", "timed")
 
     def __init__(self, number: int) -> None:
         self.number = number
         self.ops: list[Op[Any]] = []
-        self.futures: list[asyncio.Future[Any]] = []
+        # Each write's future, and the index of the op whose result it gets (-1: None).
+        self.futures: list[tuple[asyncio.Future[Any], int]] = []
         self.thens: list[Then] = []
+        # The turn's event rows, all written by one op (executions.append_events): the
+        # hot path, without an operation per row.
+        self.events: list[tuple[str, int, str, str]] | None = None
         self.size = 0
         # When it runs: the end of this turn, or a timer while every write in it may wait.
         self.handle: asyncio.Handle | None = None
@@ -66,12 +70,12 @@ class _Commit:
 
     def settle(self, results: list[Any] | None, error: Exception | None) -> None:
         """Resolve every write's future, then call the callbacks, all on the loop."""
-        for n, fut in enumerate(self.futures):
+        for fut, n in self.futures:
             if fut.done():  # its waiter gave up; the write happened all the same
                 continue
             if error is None:
                 assert results is not None
-                fut.set_result(results[n])
+                fut.set_result(results[n] if n >= 0 else None)
             else:
                 fut.set_exception(error)
                 fut.exception()  # told to `then`, or to its awaiter: never "unretrieved"
@@ -94,17 +98,21 @@ class SqlStore(Store):
         self._closed = False
 
     @abstractmethod
-    def _submit(self, op: Op[T], *, write: bool, big: bool, size: int = 0) -> asyncio.Future[T]:
-        """Run ``op`` after everything submitted before it; ``write``: in a transaction
-        with the ledger's sums, ``size`` bytes about. ``big``: it may move many rows or
-        bytes (keep it off the loop). The future may be done on return (the inline case)."""
+    def _submit(
+        self, ops: list[Op[Any]], *, write: bool, big: bool, size: int = 0
+    ) -> asyncio.Future[list[Any]]:
+        """Run ``ops`` after everything submitted before them; resolves to their results.
+        ``write``: in one transaction with the ledger's sums, ``size`` bytes about.
+        ``big``: they may move many rows or bytes (keep them off the loop). The future may
+        be done on return (the inline case)."""
 
     # -- commits ------------------------------------------------------------------------
 
     def _write(
-        self, op: Op[T], size: int, then: Then | None = None, *, wait: float = 0.0
-    ) -> asyncio.Future[T]:
-        """Add a write to this turn's commit (see the contract in base.py)."""
+        self, op: Op[Any] | None, size: int, then: Then | None = None, *, wait: float = 0.0
+    ) -> asyncio.Future[Any]:
+        """Add a write to this turn's commit (see the contract in base.py); ``op`` None: a
+        write whose rows another op of the commit already carries (resolves to None)."""
         if self._closed:
             raise StoreError("the store is closed (the gateway is stopping)")
         loop = asyncio.get_running_loop()
@@ -118,9 +126,12 @@ class SqlStore(Store):
                 c.handle = loop.call_soon(self._flush)
         elif wait <= 0:
             self._hurry(c)
-        fut: asyncio.Future[T] = loop.create_future()
-        c.ops.append(op)
-        c.futures.append(fut)
+        fut = loop.create_future()
+        if op is None:
+            c.futures.append((fut, -1))
+        else:
+            c.futures.append((fut, len(c.ops)))
+            c.ops.append(op)
         c.size += size
         if then is not None:
             c.thens.append(then)
@@ -131,7 +142,7 @@ class SqlStore(Store):
         if c is None:
             return _resolved(None)
         self._hurry(c)
-        return self._write(q.done(None), 0)
+        return self._write(None, 0)
 
     def _hurry(self, c: _Commit) -> None:
         """Commit at the end of this turn, even if every write so far may wait."""
@@ -153,7 +164,7 @@ class SqlStore(Store):
         if c.handle is not None:
             c.handle.cancel()  # it may be this very call: harmless
         try:
-            done = self._submit(q.many(c.ops), write=True, big=c.size > INLINE_BYTES, size=c.size)
+            done = self._submit(c.ops, write=True, big=c.size > INLINE_BYTES, size=c.size)
         except Exception as exc:
             c.settle(None, exc)
             return
@@ -166,7 +177,7 @@ class SqlStore(Store):
         if self._closed:
             raise StoreError("the store is closed (the gateway is stopping)")
         self._flush()
-        return await self._submit(op, write=False, big=big)
+        return (await self._submit([op], write=False, big=big))[0]  # type: ignore[no-any-return]
 
     async def _alone(self, op: Op[T]) -> T:
         """A write that may fail on its own (a taken name): its own transaction, so its
@@ -174,7 +185,7 @@ class SqlStore(Store):
         if self._closed:
             raise StoreError("the store is closed (the gateway is stopping)")
         self._flush()
-        return await self._submit(op, write=True, big=False)
+        return (await self._submit([op], write=True, big=False))[0]  # type: ignore[no-any-return]
 
     async def _closing(self) -> None:
         """For ``close``: refuse new work, and commit what was handed over."""
@@ -222,7 +233,7 @@ class SqlStore(Store):
         return await self._read(q.list_tokens())
 
     async def revoke_token(self, name: str) -> bool:
-        return await self._write(q.revoke_token(name), 0)
+        return bool(await self._write(q.revoke_token(name), 0))
 
     # -- sessions -----------------------------------------------------------------------
 
@@ -274,7 +285,7 @@ class SqlStore(Store):
         done = self._write(x.finish_execution(record, audit, self.audit_code_bytes, self.ledger),
                            size)  # fmt: skip
         c = self._commit
-        if c is not None and len(c.ops) <= LONE_FINAL_WRITES:
+        if c is not None and len(c.futures) <= LONE_FINAL_WRITES:
             self._flush()
         return done
 
@@ -302,8 +313,17 @@ class SqlStore(Store):
         *,
         wait: float = 0.0,
     ) -> asyncio.Future[None]:
-        op = x.append_event(session_id, seq, execution_id, body, self.ledger)
-        return self._write(op, len(body), then, wait=wait)
+        c = self._commit
+        if c is None or c.events is None:
+            rows: list[tuple[str, int, str, str]] = []
+            done = self._write(x.append_events(rows, self.ledger), len(body), then, wait=wait)
+            assert self._commit is not None
+            self._commit.events = rows
+        else:
+            done = self._write(None, len(body), then, wait=wait)
+            rows = c.events
+        rows.append((session_id, seq, execution_id, body))
+        return done
 
     async def events_since(
         self, session_id: str, since: int, limit: int = 1000, max_bytes: int = 4 * 2**20
@@ -407,9 +427,13 @@ class SqlStore(Store):
     async def ended_before(self, cutoff: datetime) -> list[str]:
         return await self._read(q.ended_before(cutoff.isoformat()), big=True)
 
-    async def purge_step(self, table: str, session_id: str, rows: int) -> int:
+    async def _big_write(self, op: Op[T]) -> T:
+        """A bounded step of maintenance: its own transaction, off the loop."""
         self._flush()
-        return await self._submit(q.purge_step(table, session_id, rows), write=True, big=True)
+        return (await self._submit([op], write=True, big=True))[0]  # type: ignore[no-any-return]
+
+    async def purge_step(self, table: str, session_id: str, rows: int) -> int:
+        return await self._big_write(q.purge_step(table, session_id, rows))
 
     async def drop_session(self, session_id: str) -> list[str]:
         def drop() -> Op[list[str]]:
@@ -417,12 +441,10 @@ class SqlStore(Store):
             self.ledger.forget(session_id)
             return snapshots
 
-        self._flush()
-        return await self._submit(drop(), write=True, big=True)
+        return await self._big_write(drop())
 
     async def trim_audit(self, before: datetime, rows: int) -> int:
-        self._flush()
-        return await self._submit(q.trim_audit(before.isoformat(), rows), write=True, big=True)
+        return await self._big_write(q.trim_audit(before.isoformat(), rows))
 
 
 def _resolved(value: T) -> asyncio.Future[T]:

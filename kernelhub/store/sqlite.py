@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from kernelhub.errors import StoreError
 from kernelhub.store import migrations
-from kernelhub.store.queries import Op, Query, Row
+from kernelhub.store.queries import Op, Row
 from kernelhub.store.quota import StorageLedger
 from kernelhub.store.sql import SqlStore
 
@@ -35,36 +35,41 @@ CHECKPOINT_STEPS = 4
 
 
 def drive(db: sqlite3.Connection, op: Op[T]) -> T:
-    """Run an operation's statements on ``db``; its result."""
+    """Run an operation's statements on ``db``; its result. (The hot path of every
+    commit: no helper calls per statement.)"""
     try:
         query = next(op)
         while True:
-            query = op.send(_execute(db, query))
+            many = query.many
+            if many is None:
+                cur = db.execute(query.sql, query.params)
+                query = op.send([(cur.rowcount,)] if query.rowcount else cur.fetchall())
+            elif query.rowcount:  # the count of each: one statement each (compiled once)
+                query = op.send([(db.execute(query.sql, p).rowcount,) for p in many])
+            else:
+                db.executemany(query.sql, many)
+                query = op.send([])
     except StopIteration as stop:
         return stop.value  # type: ignore[no-any-return]
-    finally:
-        op.close()
 
 
-def _execute(db: sqlite3.Connection, query: Query) -> list[Row]:
-    if query.many is not None:
-        db.executemany(query.sql, query.many)
-        return []
-    return db.execute(query.sql, query.params).fetchall()
-
-
-def transact(db: sqlite3.Connection, op: Op[T], ledger: StorageLedger) -> T:
-    """``op`` and the ledger's sums in one transaction."""
+def transact(db: sqlite3.Connection, ops: list[Op[Any]], ledger: StorageLedger) -> list[Any]:
+    """``ops`` and the ledger's sums in one transaction; their results."""
     db.execute("BEGIN")
     try:
-        result = drive(db, op)
-        drive(db, ledger.write())
+        results = [drive(db, op) for op in ops]
+        if ledger.unwritten:
+            drive(db, ledger.write())
     except BaseException:
         if db.in_transaction:
             db.execute("ROLLBACK")
         raise
     db.execute("COMMIT")
-    return result
+    return results
+
+
+def _read(db: sqlite3.Connection, ops: list[Op[Any]], _: object) -> list[Any]:
+    return [drive(db, op) for op in ops]
 
 
 class SqliteStore(SqlStore):
@@ -112,7 +117,7 @@ class SqliteStore(SqlStore):
         start = drive(db, migrations.create())
         migrations.check(start, str(self.path), "KERNELHUB_DATA_DIR")
         for at in range(start, migrations.LATEST):
-            transact(db, migrations.upgrade(at), self.ledger)
+            transact(db, [migrations.upgrade(at)], self.ledger)
         if db.execute("PRAGMA auto_vacuum").fetchone()[0] != AUTO_VACUUM_INCREMENTAL:
             self._convert_to_incremental_vacuum(db)
         self.ledger.load(db.execute(StorageLedger.LOAD).fetchall())
@@ -143,20 +148,19 @@ class SqliteStore(SqlStore):
 
     # -- running operations -------------------------------------------------------------
 
-    def _submit(self, op: Op[T], *, write: bool, big: bool, size: int = 0) -> asyncio.Future[T]:
+    def _submit(
+        self, ops: list[Op[Any]], *, write: bool, big: bool, size: int = 0
+    ) -> asyncio.Future[list[Any]]:
         db = self._db
         if db is None:
-            op.close()
+            for op in ops:
+                op.close()
             raise StoreError(f"the store {self.path} is closed (the gateway is stopping)")
-        fn = (
-            partial(self._guarded, transact, db, op, self.ledger)
-            if write
-            else partial(self._guarded, _read, db, op, None)
-        )
+        fn = partial(self._guarded, transact if write else _read, db, ops)
         if write:
             self._wal_grew(size)
         if not big and self._queued == 0:
-            fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
             try:
                 fut.set_result(fn())
             except Exception as exc:
@@ -166,13 +170,12 @@ class SqliteStore(SqlStore):
 
     def _guarded(
         self,
-        run: Callable[[sqlite3.Connection, Op[T], Any], T],
+        run: Callable[[sqlite3.Connection, list[Op[Any]], StorageLedger], list[Any]],
         db: sqlite3.Connection,
-        op: Op[T],
-        ledger: StorageLedger | None,
-    ) -> T:
+        ops: list[Op[Any]],
+    ) -> list[Any]:
         try:
-            return run(db, op, ledger)
+            return run(db, ops, self.ledger)
         except sqlite3.Error as exc:
             raise StoreError(f"the store {self.path} failed: {exc}") from exc
 
@@ -217,7 +220,3 @@ class SqliteStore(SqlStore):
             return left
 
         return await self._thread(step)
-
-
-def _read(db: sqlite3.Connection, op: Op[T], _: object) -> T:
-    return drive(db, op)

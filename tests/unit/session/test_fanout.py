@@ -26,7 +26,9 @@ async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
     await s.close()
 
 
-def statement(store: SqliteStore, sql: str, *, on_thread: bool = False) -> asyncio.Future[object]:
+def statement(
+    store: SqliteStore, sql: str, *, on_thread: bool = False
+) -> asyncio.Future[list[object]]:
     """A raw statement through the store's one entry point, in order with its writes (on
     its thread if asked: as a big commit would run)."""
 
@@ -34,7 +36,7 @@ def statement(store: SqliteStore, sql: str, *, on_thread: bool = False) -> async
         return (yield Query(sql))
 
     store._flush()
-    return store._submit(op(), write=True, big=on_thread)
+    return store._submit([op()], write=True, big=on_thread)
 
 
 def event(seq: int, text: str = "x") -> StreamEvent:
