@@ -186,10 +186,10 @@ class PostgresStore(SqlStore):
 async def _execute(cur: Any, query: Query) -> list[Row]:
     sql = text_of(query)
     if query.many is not None:
-        if query.rowcount:  # the count of each (a retried commit may meet its rows)
-            counts: list[Row] = []
-            for params in query.many:
-                await cur.execute(sql, params)
+        if query.rowcount and query.many:  # the count of each, in one pipelined round trip
+            await cur.executemany(sql, query.many, returning=True)
+            counts: list[Row] = [(cur.rowcount,)]
+            while cur.nextset():
                 counts.append((cur.rowcount,))
             return counts
         if query.many:

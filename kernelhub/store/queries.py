@@ -12,6 +12,11 @@ sign-ins), sessions, snapshots and retention; executions.py holds the recorder's
 
 Statements are written in SQLite's dialect with ``?`` placeholders; a query whose text
 must differ on PostgreSQL carries that text in ``postgres``.
+
+Why not SQLAlchemy Core: its async engine reaches SQLite through a thread (aiosqlite), and
+the whole point of the SQLite driver is that a small commit runs inline on the loop (a
+thread round trip costs about six small WAL commits); the few dialect differences here fit
+in one field.
 """
 
 from __future__ import annotations
