@@ -57,12 +57,6 @@ class Query(NamedTuple):
 Op = Generator[Query, list[Row], T]
 
 
-def done(value: T) -> Op[T]:
-    """An operation that runs no statement."""
-    return value
-    yield  # pragma: no cover - makes this a generator
-
-
 def time_of(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
 

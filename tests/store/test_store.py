@@ -14,9 +14,11 @@ from kernelhub.models import ExecutionStatus, StatusEvent
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store import migrations
 from kernelhub.store.base import Store
+from kernelhub.store.postgres import PostgresStore
 from kernelhub.store.records import AuditEntry, StoredBatch, StoredBatchItem, StoredSnapshot
 from kernelhub.store.retention import RetentionSweeper
 from kernelhub.store.sql import SqlStore
+from tests.postgres import PostgresCluster
 from tests.store.conftest import Opener
 from tests.store.rows import (
     NOW,
@@ -224,3 +226,27 @@ async def test_the_schema_is_versioned_usage_survives_a_restart_and_newer_is_ref
         await again.close()
     with pytest.raises(ConfigError, match="newer than this kernelhub"):
         await opener()
+
+
+@pytest.mark.postgres
+async def test_postgres_reconnects_after_losing_its_connection_and_says_so_when_it_cannot(
+    postgres_cluster: PostgresCluster,
+) -> None:
+    import psycopg
+
+    url = postgres_cluster.fresh_url()
+    store = await PostgresStore.open(url)
+    try:
+        await store.insert_session(session("s1"))
+        with psycopg.connect(url, autocommit=True) as admin:  # the server drops us
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE pid != pg_backend_pid() AND datname = current_database()"
+            )
+        with pytest.raises(StoreError, match=r"postgresql://kernelhub@.*failed"):
+            await store.get_session("s1")  # the one that met the broken connection
+        assert (await store.get_session("s1")) is not None  # the next one reconnected
+    finally:
+        await store.close()
+    with pytest.raises(StoreError, match="cannot reach the store"):
+        await PostgresStore.open("postgresql://nobody@/nowhere?host=/nonexistent")
