@@ -21,14 +21,17 @@ The calling contract
   a read sees every write called before it.
 - **Writes** return an :class:`asyncio.Future`, queued at call time, that resolves once
   the write is committed (durable against a process crash); awaiting is optional, and
-  cancelling one's own await does not cancel the write. The writes of one loop turn, of
-  every session, share one commit (a commit costs more than the rows in it); the common
-  small case commits inline, on the loop, with no thread or task hop. A write given
-  ``wait`` (seconds) may hold its commit that long for the writes that follow it (quiet
-  events); a write given ``then`` has it called, on the loop, right after its commit,
-  with None or the error: before any waiter of the future wakes, and before the next
-  commit. :meth:`flush` ends all waiting. If a shared commit fails, every write in it
-  fails with the same error (callers retry; the fanout does).
+  cancelling one's own await does not cancel the write. The hot path's writes (event
+  rows, new executions, final records) of one loop turn, of every session, share one
+  commit (a commit costs more than the rows in it); every other write commits at once,
+  after that pending commit. Either way the common small case commits inline, on the
+  loop, with no thread or task hop, and a future that is already done: awaiting it
+  yields no loop turn. A hot-path write given ``wait`` (seconds) may hold its commit that
+  long for the writes that follow it (quiet events); one given ``then`` has it called, on
+  the loop, right after its commit, with None or the error: before any waiter of the
+  future wakes, and before the next commit. :meth:`flush` ends all waiting. If a shared
+  commit fails, every write in it fails with the same error (callers retry; the fanout
+  does).
 - **Errors.** Database failures raise :class:`~kernelhub.errors.StoreError` (the store is
   closed or its server unreachable: 503); a unique name already taken raises
   :class:`~kernelhub.errors.StoreConflictError` (409), in its own transaction, so it never

@@ -179,13 +179,18 @@ class SqlStore(Store):
         self._flush()
         return (await self._submit([op], write=False, big=big))[0]  # type: ignore[no-any-return]
 
-    async def _alone(self, op: Op[T]) -> T:
-        """A write that may fail on its own (a taken name): its own transaction, so its
-        failure is never another write's."""
+    def _now(self, op: Op[T], size: int = 0) -> asyncio.Future[T]:
+        """A write in its own transaction, committed now (after the pending shared commit),
+        inline when the store is idle: a write that is not on the events' hot path, so it
+        need not wait for the turn to end; and one that may fail on its own (a taken name)
+        never fails another's."""
         if self._closed:
             raise StoreError("the store is closed (the gateway is stopping)")
         self._flush()
-        return (await self._submit([op], write=True, big=False))[0]  # type: ignore[no-any-return]
+        return _first(self._submit([op], write=True, big=size > INLINE_BYTES, size=size))
+
+    async def _alone(self, op: Op[T]) -> T:
+        return await self._now(op)
 
     async def _closing(self) -> None:
         """For ``close``: refuse new work, and commit what was handed over."""
@@ -227,13 +232,13 @@ class SqlStore(Store):
         return await self._read(q.web_session(sid))
 
     async def delete_web_session(self, sid: str) -> None:
-        await self._write(q.delete_web_session(sid), 0)
+        await self._now(q.delete_web_session(sid), 0)
 
     async def list_tokens(self) -> list[TokenInfo]:
         return await self._read(q.list_tokens())
 
     async def revoke_token(self, name: str) -> bool:
-        return bool(await self._write(q.revoke_token(name), 0))
+        return bool(await self._now(q.revoke_token(name), 0))
 
     # -- sessions -----------------------------------------------------------------------
 
@@ -246,12 +251,12 @@ class SqlStore(Store):
             # Here, not at call time: the ledger is touched only by whoever runs the op.
             self.ledger.add_session(s.id, s.owner)
 
-        return self._write(insert(), 0)
+        return self._now(insert(), 0)
 
     def update_session(
         self, session_id: str, *, state: str, reason: str | None = None, deleted: bool = False
     ) -> asyncio.Future[None]:
-        return self._write(q.update_session(session_id, state=state, reason=reason,
+        return self._now(q.update_session(session_id, state=state, reason=reason,
                                             deleted=deleted), 0)  # fmt: skip
 
     async def get_session(self, session_id: str) -> StoredSession | None:
@@ -263,7 +268,7 @@ class SqlStore(Store):
         return await self._read(q.list_sessions(owner, include_deleted), big=True)
 
     def renew_leases(self, node: str, expires_at: datetime) -> asyncio.Future[int]:
-        return self._write(q.renew_leases(node, expires_at), 0)
+        return self._now(q.renew_leases(node, expires_at), 0)
 
     async def expired_leases(self, now: datetime) -> list[StoredSession]:
         return await self._read(q.expired_leases(now), big=True)
@@ -278,7 +283,7 @@ class SqlStore(Store):
     def update_execution(
         self, execution_id: str, status: ExecutionStatus, record: ExecutionRecord | None = None
     ) -> asyncio.Future[None]:
-        return self._write(x.update_execution(execution_id, status, record, self.ledger), 0)
+        return self._now(x.update_execution(execution_id, status, record, self.ledger), 0)
 
     def finish_execution(self, record: ExecutionRecord, audit: AuditEntry) -> asyncio.Future[None]:
         size = len(audit.code or "") + 1024
@@ -346,7 +351,7 @@ class SqlStore(Store):
     # -- snapshots ----------------------------------------------------------------------
 
     def insert_snapshot(self, s: StoredSnapshot) -> asyncio.Future[None]:
-        return self._write(q.insert_snapshot(s), 0)
+        return self._now(q.insert_snapshot(s), 0)
 
     async def get_snapshot(self, snapshot_id: str) -> StoredSnapshot | None:
         return await self._read(q.get_snapshot(snapshot_id))
@@ -355,14 +360,14 @@ class SqlStore(Store):
         return await self._read(q.list_snapshots(owner))
 
     def delete_snapshot(self, snapshot_id: str) -> asyncio.Future[None]:
-        return self._write(q.delete_snapshot(snapshot_id), 0)
+        return self._now(q.delete_snapshot(snapshot_id), 0)
 
     # -- batches ------------------------------------------------------------------------
 
     def insert_batch(
         self, batch: StoredBatch, items: Sequence[StoredBatchItem]
     ) -> asyncio.Future[list[StoredBatchItem]]:
-        return self._write(x.insert_batch(batch, items), 256 * len(items))
+        return self._now(x.insert_batch(batch, items), 256 * len(items))
 
     async def used_batch_keys(self, owner: str, keys: Sequence[str]) -> set[str]:
         return await self._read(x.used_batch_keys(owner, keys))
@@ -384,10 +389,10 @@ class SqlStore(Store):
             batch_id, index, status=status, session_id=session_id, execution_id=execution_id,
             started_at=started_at, finished_at=finished_at, error=error, release_key=release_key,
         )  # fmt: skip
-        return self._write(op, 0)
+        return self._now(op, 0)
 
     def cancel_batch(self, batch_id: str) -> asyncio.Future[None]:
-        return self._write(x.cancel_batch(batch_id), 0)
+        return self._now(x.cancel_batch(batch_id), 0)
 
     async def get_batch(self, batch_id: str) -> StoredBatch | None:
         return await self._read(x.get_batch(batch_id))
@@ -407,7 +412,7 @@ class SqlStore(Store):
     # -- audit --------------------------------------------------------------------------
 
     def audit(self, entry: AuditEntry) -> asyncio.Future[None]:
-        return self._write(x.audit(entry, self.audit_code_bytes), len(entry.code or ""))
+        return self._now(x.audit(entry, self.audit_code_bytes), len(entry.code or ""))
 
     async def audit_log(
         self,
@@ -445,6 +450,29 @@ class SqlStore(Store):
 
     async def trim_audit(self, before: datetime, rows: int) -> int:
         return await self._big_write(q.trim_audit(before.isoformat(), rows))
+
+
+def _first(done: asyncio.Future[list[Any]]) -> asyncio.Future[Any]:
+    """The first result of ``done``, as a future that is done at once if ``done`` is (the
+    inline case: a caller's await then yields no loop turn)."""
+    if done.done():
+        if done.cancelled() or done.exception() is not None:
+            return done
+        return _resolved(done.result()[0])
+    first: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def copy(fut: asyncio.Future[list[Any]]) -> None:
+        if first.done():
+            return
+        if fut.cancelled():
+            first.set_exception(StoreError("the store was closed before the write was committed"))
+        elif (exc := fut.exception()) is not None:
+            first.set_exception(exc)
+        else:
+            first.set_result(fut.result()[0])
+
+    done.add_done_callback(copy)
+    return first
 
 
 def _resolved(value: T) -> asyncio.Future[T]:
