@@ -278,7 +278,10 @@ class SqlStore(Store):
     def insert_execution(
         self, e: StoredExecution, then: Then | None = None, *, wait: float = 0.0
     ) -> asyncio.Future[StoredExecution]:
-        return self._write(x.insert_execution(e, self.ledger), len(e.code), then, wait=wait)
+        op = x.insert_execution(e, self.ledger)
+        if then is None and wait <= 0:  # awaited (an idempotency key to check): now
+            return self._now(op, len(e.code))
+        return self._write(op, len(e.code), then, wait=wait)
 
     def update_execution(
         self, execution_id: str, status: ExecutionStatus, record: ExecutionRecord | None = None
