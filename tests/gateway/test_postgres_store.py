@@ -60,10 +60,15 @@ async def test_a_session_lives_in_postgres_across_a_gateway_crash(
                 assert json.loads(await ws.recv())["type"] == "hello"
                 code = "for i in range(300):\n    print('line', i)"
                 await ws.send(json.dumps({"type": "execute", "code": code, "request_id": "r"}))
+                ours = None
                 while True:
                     frame = json.loads(await asyncio.wait_for(ws.recv(), 60 * UNIT))
-                    if frame["type"] == "event" and frame["event"]["type"] == "final":
-                        break
+                    if frame["type"] == "accepted":
+                        ours = frame["execution_id"]
+                    elif frame["type"] == "event":
+                        event = frame["event"]  # the stream replays the REST cell's too
+                        if (event["type"], event["execution_id"]) == ("final", ours):
+                            break
         live = await replay(gw, token, sid)
         gw.kill9()
         gw.start()  # a new process: everything it knows comes from PostgreSQL
