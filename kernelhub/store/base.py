@@ -137,9 +137,17 @@ class Store(ABC):
 
     @abstractmethod
     def update_session(
-        self, session_id: str, *, state: str, reason: str | None = None, deleted: bool = False
+        self,
+        session_id: str,
+        *,
+        state: str,
+        reason: str | None = None,
+        deleted: bool = False,
+        hibernation: str | None = None,
     ) -> asyncio.Future[None]:
-        """A new state; dead and deleted start the session's retention period."""
+        """A new state; dead and deleted start the session's retention period.
+        ``hibernation``: the snapshot a hibernated session wakes from; any other state
+        clears it."""
 
     @abstractmethod
     async def get_session(self, session_id: str) -> StoredSession | None: ...

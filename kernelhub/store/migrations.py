@@ -190,8 +190,18 @@ def _scoped_tokens() -> Op[None]:
         yield Query(sql, ddl=True)
 
 
+def _hibernation_column() -> Op[None]:
+    """Version 4: a hibernated session's snapshot in a column of its own, no longer
+    encoded in the free-text reason as ``hibernation:<id>``."""
+    yield Query("ALTER TABLE sessions ADD COLUMN hibernation_snapshot TEXT", ddl=True)
+    yield Query(
+        "UPDATE sessions SET hibernation_snapshot = substr(reason, 13), reason = NULL"
+        " WHERE state = 'hibernated' AND reason LIKE 'hibernation:%'"
+    )
+
+
 def _placement() -> Op[None]:
-    """Version 4 (issue #24): the node that runs each session and that node's lease on it,
+    """Version 5 (issue #24): the node that runs each session and that node's lease on it,
     so that gateways sharing one store know where a session lives and when to move it."""
     for sql in (
         "ALTER TABLE sessions ADD COLUMN node TEXT",
@@ -202,7 +212,12 @@ def _placement() -> Op[None]:
 
 
 # Version N+1 is reached by MIGRATIONS[N - 1]; append, never edit or reorder.
-MIGRATIONS: list[Callable[[], Op[None]]] = [_storage, _scoped_tokens, _placement]
+MIGRATIONS: list[Callable[[], Op[None]]] = [
+    _storage,
+    _scoped_tokens,
+    _hibernation_column,
+    _placement,
+]
 LATEST = 1 + len(MIGRATIONS)
 
 

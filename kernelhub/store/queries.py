@@ -177,7 +177,7 @@ def revoke_token(name: str) -> Op[bool]:
 # Named, not ``*``: a migration that adds a column changes no reader.
 SESSION_COLUMNS = (
     "id, owner, backend, state, created_at, limits, metadata, reason, deleted_at,"
-    " stored_bytes, node, lease_expires_at"
+    " stored_bytes, hibernation_snapshot, node, lease_expires_at"
 )
 
 
@@ -193,8 +193,9 @@ def session_of(r: Row) -> StoredSession:
         reason=r[7],
         deleted_at=time_of(r[8]),
         stored_bytes=int(r[9] or 0),
-        node=r[10],
-        lease_expires_at=time_of(r[11]),
+        hibernation=r[10],
+        node=r[11],
+        lease_expires_at=time_of(r[12]),
     )
 
 
@@ -209,16 +210,22 @@ def insert_session(s: StoredSession) -> Op[None]:
 
 
 def update_session(
-    session_id: str, *, state: str, reason: str | None = None, deleted: bool = False
+    session_id: str,
+    *,
+    state: str,
+    reason: str | None = None,
+    deleted: bool = False,
+    hibernation: str | None = None,
 ) -> Op[None]:
     # ended_at starts a dead or deleted session's retention period (retention.py).
     at = now_iso()
     yield Query(
         "UPDATE sessions SET state = ?, reason = COALESCE(?, reason),"
         " deleted_at = CASE WHEN ? = 1 THEN ? ELSE deleted_at END,"
-        " ended_at = CASE WHEN ? IN ('dead', 'deleted') THEN COALESCE(ended_at, ?) END"
+        " ended_at = CASE WHEN ? IN ('dead', 'deleted') THEN COALESCE(ended_at, ?) END,"
+        " hibernation_snapshot = ?"
         " WHERE id = ?",
-        (state, reason, int(deleted), at, state, at, session_id),
+        (state, reason, int(deleted), at, state, at, hibernation, session_id),
     )
 
 

@@ -63,6 +63,7 @@ class StoredSession(BaseModel):
     reason: str | None
     deleted_at: datetime | None
     stored_bytes: int = 0
+    hibernation: str | None = None  # the snapshot a hibernated session wakes from
     # Issue #24's shared store: which node runs the session, and until when that node's
     # claim holds (renewed by its heartbeat; an expired lease lets another node take it).
     node: str | None = None

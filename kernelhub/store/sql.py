@@ -254,10 +254,18 @@ class SqlStore(Store):
         return self._now(insert(), 0)
 
     def update_session(
-        self, session_id: str, *, state: str, reason: str | None = None, deleted: bool = False
+        self,
+        session_id: str,
+        *,
+        state: str,
+        reason: str | None = None,
+        deleted: bool = False,
+        hibernation: str | None = None,
     ) -> asyncio.Future[None]:
-        return self._now(q.update_session(session_id, state=state, reason=reason,
-                                            deleted=deleted), 0)  # fmt: skip
+        op = q.update_session(
+            session_id, state=state, reason=reason, deleted=deleted, hibernation=hibernation
+        )
+        return self._now(op)
 
     async def get_session(self, session_id: str) -> StoredSession | None:
         return await self._read(q.get_session(session_id))

@@ -42,6 +42,11 @@ async def test_sessions_carry_their_node_and_a_lease(store: Store) -> None:
     assert await store.expired_leases(NOW) == []
     late = await store.expired_leases(NOW + timedelta(seconds=31))
     assert [s.id for s in late] == ["s1"]
+    await store.update_session("s2", state="hibernated", hibernation="snap1")
+    hibernated = await store.get_session("s2")
+    assert hibernated is not None and hibernated.hibernation == "snap1"
+    await store.update_session("s2", state="ready")  # any other state clears it
+    assert (await store.get_session("s2")).hibernation is None  # type: ignore[union-attr]
     await store.update_session("s1", state="dead", reason="oom")
     assert await store.expired_leases(NOW + timedelta(seconds=31)) == []  # dead: nothing to take
     await store.update_session("s2", state="deleted", deleted=True)
