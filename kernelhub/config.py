@@ -297,6 +297,37 @@ class StorageSettings(BaseModel):
     )
 
 
+class StoreSettings(BaseModel):
+    """Where the store lives: SQLite in the data directory (the default), or a shared
+    PostgreSQL server (``pip install 'kernelhub[postgres]'``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: SecretStr | None = Field(
+        None,
+        description="a PostgreSQL URL, e.g. postgresql://kernelhub:secret@db:5432/kernelhub "
+        "or postgresql:///kernelhub?host=/run/postgresql; unset: SQLite at "
+        "<data_dir>/kernelhub.sqlite3",
+    )
+    node: str | None = Field(
+        None,
+        description="this machine's name in the store (each session's row names the node "
+        "that runs it); unset: the host name",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _postgres_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().startswith(
+            ("postgresql://", "postgres://")
+        ):
+            raise ValueError(
+                "KERNELHUB_STORE__URL must be a PostgreSQL URL such as "
+                "postgresql://kernelhub:secret@127.0.0.1:5432/kernelhub (leave it unset for SQLite)"
+            )
+        return value
+
+
 class Settings(BaseSettings):
     """Everything kernelhub can be told. Variables: ``KERNELHUB_<FIELD>``, nested with ``__``
     (``KERNELHUB_LIMITS__CELL_TIMEOUT=60``)."""
@@ -319,6 +350,7 @@ class Settings(BaseSettings):
     pool: PoolSettings = Field(default_factory=PoolSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
 
     @field_validator("run_dir")
     @classmethod

@@ -22,6 +22,8 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     ├── NotFoundError            no such session/execution — or it belongs to someone else
     ├── AuthError                missing, unknown or revoked token; or not an admin
     │   └── ForbiddenError       not allowed from here (a browser origin off the allowlist)
+    ├── StoreError               the store failed, or is closed or unreachable (retry later)
+    │   └── StoreConflictError   a name or key that must be unique is taken; names it
     ├── QuotaError               too many sessions, queued cells or bytes; retry later
     │   └── StorageFullError     a principal's storage quota is used up, or the disk is low
     ├── InvalidRequestError      a request the gateway understood but cannot honour
@@ -29,7 +31,6 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     │   ├── MediaTypeError       a body that is not the JSON the route takes
     │   ├── FrameError           a Jupyter client's frame that is not a Jupyter message
     │   └── UsageError           the command line itself is wrong (the CLI exits with 2)
-    ├── StoreError               the store refused (it names the conflict)  [store/sqlite.py]
     ├── AwaitingInput            not a failure: an MCP call returns while its cell waits
     │                            for input, answered by `answer_input`  [agents/mcp_kernels.py]
     └── ClientError              the SDK's own tree  [client/errors.py]
@@ -138,6 +139,15 @@ class AuthError(KernelhubError):
 
 class ForbiddenError(AuthError):
     """Whoever the caller is, the request is not allowed (e.g. from this browser origin)."""
+
+
+class StoreError(KernelhubError):
+    """The store could not read or write: it is closed, its server is unreachable, or the
+    database refused. Not the caller's doing; the message names the store."""
+
+
+class StoreConflictError(StoreError):
+    """A name or key that must be unique is already taken (it names it)."""
 
 
 class QuotaError(KernelhubError):

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pydantic import BaseModel, ConfigDict, Field
 
 from kernelhub.errors import InvalidRequestError, NotFoundError
-from kernelhub.store.sqlite import SqliteStore
+from kernelhub.store.base import Store
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -49,7 +49,7 @@ class TokenCreated(BaseModel):
     expires_at: datetime | None
 
 
-async def mint(store: SqliteStore, spec: TokenCreate) -> TokenCreated:
+async def mint(store: Store, spec: TokenCreate) -> TokenCreated:
     if spec.admin and (spec.read_only or spec.session_id or spec.owner):
         raise InvalidRequestError(
             "an admin token cannot be read-only, scoped to a session or stand for someone; "

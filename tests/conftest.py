@@ -7,12 +7,13 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from kernelhub.config import Settings, load_settings
+from tests import postgres
 
 # Every wait in the suite is a multiple of this; slow CI machines set KERNELHUB_TEST_UNIT=2.
 UNIT = float(os.environ.get("KERNELHUB_TEST_UNIT", "1"))
@@ -62,17 +63,34 @@ _docker_checked: list[str | None] = []
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Docker tests skip on a laptop without Docker; with KERNELHUB_REQUIRE_DOCKER=1 (CI)
-    they fail instead, so CI can never pass without running them."""
+    they fail instead, so CI can never pass without running them. The same for the
+    PostgreSQL tests and a PostgreSQL server."""
+    if item.get_closest_marker("postgres") is not None:
+        _require(postgres.problem())
     if item.get_closest_marker("docker") is None:
         return
     if not _docker_checked:
         _docker_checked.append(docker_problem(load_settings().docker.image))
-    problem = _docker_checked[0]
+    _require(_docker_checked[0])
+
+
+def _require(problem: str | None) -> None:
     if problem is None:
         return
     if os.environ.get("KERNELHUB_REQUIRE_DOCKER") == "1":
         pytest.fail(f"KERNELHUB_REQUIRE_DOCKER=1 but {problem}", pytrace=False)
     pytest.skip(problem)
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[postgres.PostgresCluster]:
+    """The run's one PostgreSQL server (tests that use it carry the ``postgres`` marker)."""
+    cluster = postgres.PostgresCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -113,9 +113,9 @@ async def reap(settings: Settings) -> int:
 
 
 async def token(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from kernelhub.store.sqlite import SqliteStore
+    from kernelhub.store import open_store
 
-    store = await SqliteStore.open(settings.data_dir / "kernelhub.sqlite3")
+    store = await open_store(settings)
     try:
         if args.token_command == "create":
             from kernelhub.tokens import TokenCreate, mint, parse_duration

@@ -313,9 +313,9 @@ async def _announce(settings: Settings) -> None:
 
 async def bootstrap_token(settings: Settings) -> str | None:
     """The first admin token, when the store has none; None otherwise."""
-    from kernelhub.store.sqlite import SqliteStore
+    from kernelhub.store import open_store
 
-    store = await SqliteStore.open(settings.data_dir / "kernelhub.sqlite3")
+    store = await open_store(settings)
     try:
         if await store.list_tokens():
             return None

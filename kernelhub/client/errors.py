@@ -177,6 +177,7 @@ _BY_KIND: dict[str, type[ApiError]] = {
     "image_unavailable": ServerError,
     "backend_unavailable": ServerError,
     "sandbox_failed": ServerError,
+    "store_unavailable": ServerError,
     "misconfigured": ServerError,
     "internal": ServerError,
 }

@@ -37,7 +37,7 @@ from kernelhub.review import routes as review
 from kernelhub.sandbox.backends import make_backend
 from kernelhub.session.batches import BatchObserver, BatchRunner
 from kernelhub.session.manager import Observer, SessionManager
-from kernelhub.store.sqlite import SqliteStore
+from kernelhub.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +106,7 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
 
     @asynccontextmanager
     async def _serving(app: FastAPI, lock: DataDirLock) -> AsyncIterator[None]:
-        store = await SqliteStore.open(
-            settings.data_dir / "kernelhub.sqlite3",
-            audit_code_bytes=settings.storage.audit_code_bytes,
-        )
+        store = await open_store(settings)
         backend = make_backend(
             settings, instance=settings.gateway.instance, gateway_id=lock.gateway_id
         )

@@ -13,7 +13,8 @@ from fastapi import Depends, Request, Security, WebSocket
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kernelhub.errors import AuthError, ForbiddenError, NotFoundError
-from kernelhub.store.sqlite import Principal, SqliteStore
+from kernelhub.store.base import Store
+from kernelhub.store.records import Principal
 
 SESSION_COOKIE = "kh_session"  # HttpOnly: the sign-in id
 CSRF_COOKIE = "kh_csrf"  # readable by the page, sent back as the header below
@@ -34,7 +35,7 @@ def bearer(header: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def authenticate(store: SqliteStore, token: str | None) -> Principal:
+async def authenticate(store: Store, token: str | None) -> Principal:
     if token is None:
         raise AuthError(
             "missing bearer token; send `Authorization: Bearer <token>` (make one with `kernelhub token create --name NAME`)"
@@ -94,7 +95,7 @@ def check_csrf(sent: str | None, expected: str) -> None:
         )
 
 
-async def _scope_of(request: Request, store: SqliteStore, p: Principal) -> None:
+async def _scope_of(request: Request, store: Store, p: Principal) -> None:
     act = request.method not in SAFE_METHODS  # exports are GETs: reads
     if p.session_id is None and not p.read_only:
         return
@@ -124,7 +125,7 @@ async def principal(
 ) -> Principal:
     """FastAPI dependency for REST routes: a bearer token, else the sign-in cookie (then a
     request that changes something needs the CSRF header); the token's scope applies."""
-    store: SqliteStore = request.app.state.store
+    store: Store = request.app.state.store
     token = bearer(request.headers.get("authorization"))
     cookie = request.cookies.get(SESSION_COOKIE) if token is None else None
     if cookie is not None:
@@ -163,7 +164,7 @@ async def metrics_reader(
         and hmac.compare_digest(token.encode(), secret.get_secret_value().encode())
     ):
         return METRICS_READER
-    store: SqliteStore = request.app.state.store
+    store: Store = request.app.state.store
     return await authenticate(store, token)
 
 

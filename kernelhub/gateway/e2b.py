@@ -47,7 +47,7 @@ from kernelhub.gateway import e2b_wire as wire
 from kernelhub.gateway.auth import authenticate, bearer, client_address, require_unscoped
 from kernelhub.gateway.errors import status_for
 from kernelhub.session.manager import SessionManager
-from kernelhub.store.sqlite import Principal
+from kernelhub.store.records import Principal
 from kernelhub.wire import ExecutionCreate, SessionCreate, SessionInfo, SessionState
 
 log = logging.getLogger(__name__)

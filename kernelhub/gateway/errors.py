@@ -33,9 +33,10 @@ from kernelhub.errors import (
     SessionError,
     SessionStateError,
     StorageFullError,
+    StoreConflictError,
+    StoreError,
     TooLargeError,
 )
-from kernelhub.store.sqlite import StoreError
 from kernelhub.wire import CloseCode
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
     (SessionClosedError, 410, "session_ended"),
     (SessionStateError, 409, "conflict"),
     (SessionError, 409, "conflict"),
-    (StoreError, 409, "conflict"),
+    (StoreConflictError, 409, "conflict"),
+    # The store closed (shutdown) or its server went away: the request may work later.
+    (StoreError, 503, "store_unavailable"),
     (ImageError, 503, "image_unavailable"),
     (BackendUnavailableError, 503, "backend_unavailable"),
     (SandboxError, 503, "sandbox_failed"),

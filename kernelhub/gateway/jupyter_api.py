@@ -27,7 +27,7 @@ from kernelhub.gateway.auth import authenticate, client_address, require_unscope
 from kernelhub.gateway.routes import BODY, refusals
 from kernelhub.jupyter import messages
 from kernelhub.session.manager import LiveSession, SessionManager
-from kernelhub.store.sqlite import Principal
+from kernelhub.store.records import Principal
 from kernelhub.wire import LimitsIn, SessionCreate, SessionInfo, SessionState
 
 router = APIRouter()

@@ -31,7 +31,7 @@ from kernelhub.jupyter import messages
 from kernelhub.jupyter.messages import Message, Origin, Translator
 from kernelhub.models import ExecutionStatus
 from kernelhub.session.manager import LiveSession, SessionManager
-from kernelhub.store.sqlite import Principal
+from kernelhub.store.records import Principal
 from kernelhub.wire import ExecutionCreate, SessionState
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from kernelhub.gateway.auth import admin, client_address, metrics_reader, princi
 from kernelhub.gateway.openapi import WS_SCHEMA_PATH
 from kernelhub.session.batches import BatchRunner
 from kernelhub.session.manager import SessionManager, execution_info
-from kernelhub.store.sqlite import AuditEntry, Principal
+from kernelhub.store.records import AuditEntry, Principal
 from kernelhub.tokens import TokenCreate, TokenCreated, mint
 from kernelhub.wire import (
     BatchCreate,

@@ -37,7 +37,7 @@ from kernelhub.models import QUIET_EVENT_TYPES
 from kernelhub.replay import Replay, Verdict
 from kernelhub.session.fanout import Published, Subscriber
 from kernelhub.session.manager import LiveSession, SessionManager
-from kernelhub.store.sqlite import Principal, StoredExecution
+from kernelhub.store.records import Principal, StoredExecution
 from kernelhub.wire import (
     AcceptedFrame,
     ClientFrame,

@@ -25,7 +25,8 @@ from kernelhub.gateway.auth import (
     bearer,
     check_csrf,
 )
-from kernelhub.store.sqlite import Principal, SqliteStore
+from kernelhub.store.base import Store
+from kernelhub.store.records import Principal
 from kernelhub.wire import ErrorBody
 
 STATIC = Path(__file__).parent / "static"
@@ -80,7 +81,7 @@ async def sign_in(
     """Exchange a token (in the body, or the bearer header) for a short-lived HttpOnly,
     SameSite=Strict cookie: the review page's sign-in. Answers the CSRF token to send
     with requests that change something."""
-    store: SqliteStore = request.app.state.store
+    store: Store = request.app.state.store
     token = body.token or bearer(request.headers.get("authorization"))
     principal = await authenticate(store, token)  # 401 naming an expiry
     assert token is not None
@@ -101,7 +102,7 @@ async def sign_in(
 @router.delete("/v1/auth/session", status_code=204, responses=_refusals(403), tags=["tokens"])
 async def sign_out(request: Request, _: BearerDeclared = None) -> Response:
     """End the cookie's sign-in (needs the CSRF header) and clear the cookies."""
-    store: SqliteStore = request.app.state.store
+    store: Store = request.app.state.store
     sid = request.cookies.get(SESSION_COOKIE)
     signed_in = await store.web_session(sid) if sid else None
     if sid is not None and signed_in is not None:

@@ -28,7 +28,8 @@ from typing import Any
 from kernelhub.errors import KernelhubError, QuotaError
 from kernelhub.models import ExecutionStatus
 from kernelhub.session.manager import SessionManager
-from kernelhub.store.sqlite import Principal, SqliteStore
+from kernelhub.store.base import Store
+from kernelhub.store.records import Principal
 from kernelhub.wire import BatchItemIn, ExecutionCreate, SessionCreate, SessionInfo
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class ItemSessions:
     """The sessions batch items run in. ``grace`` is how long a stopped item has to
     honour its interrupt before its session is deleted under it."""
 
-    def __init__(self, manager: SessionManager, store: SqliteStore, grace: float) -> None:
+    def __init__(self, manager: SessionManager, store: Store, grace: float) -> None:
         self.manager = manager
         self.store = store
         self.grace = grace

@@ -46,7 +46,8 @@ from kernelhub.models import ExecutionStatus
 from kernelhub.session.batch_item import BATCH_ID_KEY, BATCH_INDEX_KEY, Item, ItemSessions, Outcome
 from kernelhub.session.fair_queue import FairQueue, principal_cap
 from kernelhub.session.manager import SessionManager, execution_info
-from kernelhub.store.sqlite import Principal, SqliteStore, StoredBatch, StoredBatchItem
+from kernelhub.store.base import Store
+from kernelhub.store.records import Principal, StoredBatch, StoredBatchItem
 from kernelhub.wire import (
     BatchCreate,
     BatchInfo,
@@ -121,7 +122,7 @@ class BatchRunner:
         self,
         settings: Settings,
         manager: SessionManager,
-        store: SqliteStore,
+        store: Store,
         observer: BatchObserver | None = None,
     ) -> None:
         self.settings = settings

@@ -33,8 +33,9 @@ from kernelhub.session.recorder import Recorder
 from kernelhub.session.state import SessionState, Transition
 from kernelhub.snapshot import calls, transfer
 from kernelhub.snapshot.blobs import BlobStore
+from kernelhub.store.base import Store
 from kernelhub.store.quota import StorageGuard
-from kernelhub.store.sqlite import AuditEntry, Principal, SqliteStore, StoredSnapshot
+from kernelhub.store.records import AuditEntry, Principal, StoredSnapshot
 from kernelhub.wire import RestoreReport, RewindReport, SnapshotInfo
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class Continuity:
         self,
         settings: Settings,
         backend: SandboxBackend,
-        store: SqliteStore,
+        store: Store,
         recorder: Recorder,
         blobs: BlobStore,
         storage: StorageGuard,

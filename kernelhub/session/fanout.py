@@ -21,7 +21,7 @@ from functools import partial
 from typing import NamedTuple
 
 from kernelhub.models import QUIET_EVENT_TYPES, Event
-from kernelhub.store.sqlite import SqliteStore
+from kernelhub.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class SessionFanout:
     def __init__(
         self,
         session_id: str,
-        store: SqliteStore,
+        store: Store,
         *,
         on_error: Callable[[Exception], None] | None = None,
         retry_after: float = 0.5,
@@ -115,7 +115,7 @@ class SessionFanout:
         self._on_error = on_error
         self._retry_after = retry_after
         self._quiet_wait = quiet_wait  # how long a quiet event's commit may wait for more
-        self._tick: asyncio.Future[None] | None = None  # the commit our newest rows are in
+        self._commit: int | None = None  # the commit our newest rows are in
         self._inflight = 0  # rows handed to the store, not committed (or failed) yet
         self._held: list[Published] = []  # waiting for the rows ahead of them
         self._failed: list[Published] = []  # of the commit that just failed, in order
@@ -126,7 +126,7 @@ class SessionFanout:
             event.seq, event.execution_id, event.model_dump_json(), event.type, self._published_seq
         )
         self._published_seq = max(self._published_seq, event.seq)
-        if self._held or (self._inflight and not self.store.commit_pending(self._tick)):
+        if self._held or (self._inflight and self.store.pending_commit != self._commit):
             self._held.append(item)
         else:
             self._write(item)
@@ -134,7 +134,7 @@ class SessionFanout:
     def joins_this_commit(self) -> bool:
         """Whether everything published so far is stored or in this loop turn's commit
         (nothing held back): a write the caller adds now is committed with, or after, it."""
-        return not self._held and (not self._inflight or self.store.commit_pending(self._tick))
+        return not self._held and (not self._inflight or self.store.pending_commit == self._commit)
 
     def subscribe(self, budget_bytes: int) -> Subscriber:
         sub = Subscriber(budget_bytes)
@@ -148,17 +148,18 @@ class SessionFanout:
         target = self._published_seq
         if self._flushed_seq >= target:
             return
-        self.store.hurry()  # someone waits: quiet events need not wait for company
+        self.store.flush()  # someone waits: quiet events need not wait for company
         fut = asyncio.get_running_loop().create_future()
         self._flush_waiters.append((target, fut))
         await fut
 
     def _write(self, item: Published) -> None:
         self._inflight += 1
-        self._tick = self.store.append_event_soon(
+        self.store.append_event(
             self.session_id, item.seq, item.execution_id, item.body, partial(self._stored, item),
             wait=self._quiet_wait if item.kind in QUIET_EVENT_TYPES else 0.0,
         )  # fmt: skip
+        self._commit = self.store.pending_commit
 
     def _stored(self, item: Published, error: Exception | None) -> None:
         self._inflight -= 1

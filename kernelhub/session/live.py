@@ -19,7 +19,7 @@ from kernelhub.models import ExecutionStatus
 from kernelhub.session import state as machine
 from kernelhub.session.fanout import SessionFanout
 from kernelhub.session.state import Operation, SessionState, Transition, Verdict
-from kernelhub.store.sqlite import Principal, StoredSession
+from kernelhub.store.records import Principal, StoredSession
 from kernelhub.wire import SessionInfo
 
 

@@ -44,15 +44,10 @@ from kernelhub.session.pool import WarmPool
 from kernelhub.session.recorder import Observer, Recorder
 from kernelhub.session.state import SessionState, Transition, closed_error
 from kernelhub.snapshot.blobs import BlobStore
+from kernelhub.store.base import Store
 from kernelhub.store.quota import StorageGuard
+from kernelhub.store.records import AuditEntry, Principal, StoredExecution, StoredSession
 from kernelhub.store.retention import RetentionSweeper
-from kernelhub.store.sqlite import (
-    AuditEntry,
-    Principal,
-    SqliteStore,
-    StoredExecution,
-    StoredSession,
-)
 from kernelhub.wire import (
     MAX_METADATA_BYTES,
     ExecutionInfo,
@@ -83,7 +78,7 @@ class SessionManager:
         self,
         settings: Settings,
         backend: SandboxBackend,
-        store: SqliteStore,
+        store: Store,
         observer: Observer | None = None,
     ) -> None:
         # The store is the record of finished executions; engines keep none in memory.

@@ -31,8 +31,9 @@ from kernelhub.session.continuity import Continuity
 from kernelhub.session.live import InFlight, LiveSession, held
 from kernelhub.session.recorder import Recorder
 from kernelhub.session.state import Operation, SessionState, Verdict
+from kernelhub.store.base import Store
 from kernelhub.store.quota import StorageGuard
-from kernelhub.store.sqlite import AuditEntry, Principal, SqliteStore, StoredExecution
+from kernelhub.store.records import AuditEntry, Principal, StoredExecution
 from kernelhub.wire import ExecutionCreate, RewindReport, SessionInfo, SnapshotInfo
 
 
@@ -43,7 +44,7 @@ class Operations:
     def __init__(
         self,
         settings: Settings,
-        store: SqliteStore,
+        store: Store,
         recorder: Recorder,
         continuity: Continuity,
         storage: StorageGuard,

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
+from kernelhub.errors import StoreError
 from kernelhub.models import (
     EndedBy,
     Event,
@@ -29,14 +30,10 @@ from kernelhub.models import (
 )
 from kernelhub.session.fanout import SessionFanout
 from kernelhub.session.live import InFlight, LiveSession
-from kernelhub.store.sqlite import AuditEntry, SqliteStore, StoredExecution, StoreError
+from kernelhub.store.base import Store
+from kernelhub.store.records import AuditEntry, StoredExecution
 
 log = logging.getLogger(__name__)
-# A cell's final event and its record (two writes), maybe its last output, and what may
-# have waited for them (its row, its running and result events: coalesce_window): a
-# commit this small is one cell finishing alone, and its client should not wait for the
-# turn to end.
-_LONE_FINAL_OPS = 8
 _RECENT_RECORDS = 1024
 
 
@@ -52,7 +49,7 @@ class Recorder:
     """See the module. ``coalesce_window``: how long a quiet write may wait for company
     (KERNELHUB_GATEWAY__COALESCE_WINDOW)."""
 
-    def __init__(self, store: SqliteStore, observer: Observer, *, coalesce_window: float) -> None:
+    def __init__(self, store: Store, observer: Observer, *, coalesce_window: float) -> None:
         self.store = store
         self.observer = observer
         self.window = coalesce_window
@@ -84,7 +81,7 @@ class Recorder:
         the cell's next event (see coalesce_window)."""
         self._storing[row.id] = []
         self._spawn(
-            self.store.insert_execution_soon(row, partial(self._stored, row.id), wait=self.window)
+            self.store.insert_execution(row, partial(self._stored, row.id), wait=self.window)
         )
 
     async def keyed_execution(self, row: StoredExecution) -> StoredExecution:
@@ -134,7 +131,6 @@ class Recorder:
             while len(self._recent) > _RECENT_RECORDS:
                 self._recent.popitem(last=False)
             self._finish(live, event.record)
-            self.store.commit_now_if_small(_LONE_FINAL_OPS)
         elif isinstance(event, InputReplyEvent):
             # Who answered (a principal, or the deadline), when, and what.
             entry = AuditEntry(
@@ -181,7 +177,7 @@ class Recorder:
             self._spawn(self._finished(live, record, flight))
             return
         entry = self._audit_final(live, record, flight.principal, flight.code, flight.client)
-        done = self.store.finish_execution_soon(record, entry)
+        done = self.store.finish_execution(record, entry)
         done.add_done_callback(
             lambda fut: self._settle(
                 record, StoreError("the store closed") if fut.cancelled() else fut.exception()
@@ -202,7 +198,7 @@ class Recorder:
                 entry = self._audit_final(
                     live, record, flight.principal, flight.code, flight.client
                 )
-            await self.store.finish_execution(record, entry)
+            await asyncio.shield(self.store.finish_execution(record, entry))
             error = None
         except Exception as exc:
             error = exc

@@ -11,13 +11,14 @@ the data directory's free disk space (a cached ``statvfs``).
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from kernelhub.config import StorageSettings
 from kernelhub.errors import StorageFullError
+from kernelhub.store.queries import Op, Query
 
 
 class StorageLedger:
@@ -33,9 +34,12 @@ class StorageLedger:
         self._principal_bytes: dict[str, int] = {}
         self._unwritten: dict[str, int] = {}  # charged, not yet in sessions.stored_bytes
 
-    def load(self, db: sqlite3.Connection) -> None:
-        for session_id, owner, stored in db.execute("SELECT id, owner, stored_bytes FROM sessions"):
+    def load(self, rows: Iterable[tuple[Any, ...]]) -> None:
+        """From the rows of ``LOAD``."""
+        for session_id, owner, stored in rows:
             self.add_session(session_id, owner, stored)
+
+    LOAD = "SELECT id, owner, stored_bytes FROM sessions"
 
     def add_session(self, session_id: str, owner: str, stored: int = 0) -> None:
         self._owner[session_id] = owner
@@ -50,15 +54,19 @@ class StorageLedger:
         self._principal_bytes[owner] += size
         self._unwritten[session_id] = self._unwritten.get(session_id, 0) + size
 
-    def write(self, db: sqlite3.Connection) -> None:
-        """Persist what was charged since the last call, in the caller's transaction."""
+    @property
+    def unwritten(self) -> bool:
+        """Whether :meth:`write` has anything to do."""
+        return bool(self._unwritten)
+
+    def write(self) -> Op[None]:
+        """Persist what was charged since the last call (the driver runs this at the end
+        of every write transaction, so the sums commit with the rows they count)."""
         if not self._unwritten:
             return
-        db.executemany(
-            "UPDATE sessions SET stored_bytes = stored_bytes + ? WHERE id = ?",
-            [(size, sid) for sid, size in self._unwritten.items()],
-        )
+        rows = [(size, sid) for sid, size in self._unwritten.items()]
         self._unwritten.clear()
+        yield Query("UPDATE sessions SET stored_bytes = stored_bytes + ? WHERE id = ?", many=rows)
 
     def forget(self, session_id: str) -> int:
         """A purged session: its bytes no longer count. Returns them."""

@@ -7,26 +7,24 @@ then :class:`RetentionSweeper` purges them; ``DELETE /v1/sessions/{id}?purge=tru
 retention of 0) purges at once. Snapshots a user took (``POST .../snapshots``) are the
 user's own objects and stay until ``DELETE /v1/snapshots/{id}``.
 
-Every step is bounded (a few hundred rows, a few MiB of pages) and runs on the store's
-thread, so neither the event loop nor the store's other callers wait long behind a purge
-of a session that stored gigabytes. Freed pages are returned with ``PRAGMA
-incremental_vacuum`` (the database is in ``auto_vacuum=INCREMENTAL``, see migrations.py)
-and a WAL checkpoint, which is when the file really shrinks.
+Every step is bounded (a few hundred rows, a few MiB of pages) and runs off the loop (the
+store's thread or connection), so neither the event loop nor the store's other callers
+wait long behind a purge of a session that stored gigabytes. Freed space is returned by
+the store's ``reclaim`` (SQLite: ``PRAGMA incremental_vacuum`` and WAL checkpoints, see
+sqlite.py; PostgreSQL's autovacuum needs no help).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from functools import partial
 
 from kernelhub.config import StorageSettings
 from kernelhub.snapshot.blobs import BlobStore
-from kernelhub.store.sqlite import SqliteStore
+from kernelhub.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -34,67 +32,6 @@ log = logging.getLogger(__name__)
 # bytes to MiBs, and a step should hold the store thread for about STEP_TIME seconds.
 STEP_TIME = 0.02
 VACUUM_PAGES = 1024  # pages returned per step (4 MiB at the default 4 KiB page size)
-# The vacuum writes what it moves to the WAL: checkpointing every few steps bounds the
-# WAL (measured on a 200 MB purge: 160 MB of WAL without, 16 MB with every 4 steps).
-CHECKPOINT_STEPS = 4
-
-
-# One bounded step each: up to :rows rows, oldest first; run by delete_step.
-EVENTS_STEP = (  # events is WITHOUT ROWID: stepped through its primary key
-    "DELETE FROM events WHERE session_id = :sid AND seq IN"
-    " (SELECT seq FROM events WHERE session_id = :sid ORDER BY seq LIMIT :rows)"
-)
-EXECUTIONS_STEP = (
-    "DELETE FROM executions WHERE rowid IN"
-    " (SELECT rowid FROM executions WHERE session_id = :sid LIMIT :rows)"
-)
-AUDIT_STEP = "DELETE FROM audit WHERE id IN (SELECT id FROM audit WHERE at < :cutoff ORDER BY at LIMIT :rows)"
-
-
-def delete_step(db: sqlite3.Connection, sql: str, params: dict[str, object]) -> int:
-    """One of the steps above in its own transaction; returns how many rows went."""
-    with db:
-        db.execute("BEGIN")
-        return db.execute(sql, params).rowcount
-
-
-def drop_session(db: sqlite3.Connection, store: SqliteStore, session_id: str) -> list[str]:
-    """The last step of a purge, once its events and executions are gone: the session's
-    internal snapshots and its row. Returns the snapshot ids whose blobs to remove."""
-    with db:
-        db.execute("BEGIN")
-        snapshots = [
-            r[0]
-            for r in db.execute(
-                "DELETE FROM snapshots WHERE session_id = ?"
-                " AND COALESCE(json_extract(metadata, '$.kind'), 'snapshot') != 'snapshot'"
-                " RETURNING id",
-                (session_id,),
-            ).fetchall()
-        ]
-        db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
-    store.ledger.forget(session_id)
-    return snapshots
-
-
-def ended_before(db: sqlite3.Connection, cutoff: str) -> list[str]:
-    rows = db.execute(
-        "SELECT id FROM sessions WHERE ended_at IS NOT NULL AND ended_at <= ? ORDER BY ended_at",
-        (cutoff,),
-    ).fetchall()
-    return [r[0] for r in rows]
-
-
-def vacuum_step(db: sqlite3.Connection, pages: int) -> int:
-    """Return up to ``pages`` free pages to the filesystem; returns how many are left."""
-    # executescript steps the pragma to its end; execute() would free a single page.
-    db.executescript(f"PRAGMA incremental_vacuum({int(pages)})")
-    return int(db.execute("PRAGMA freelist_count").fetchone()[0])
-
-
-def checkpoint(db: sqlite3.Connection) -> None:
-    # In WAL mode the main file shrinks only when the WAL is checkpointed into it.
-    db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
 
 class RetentionSweeper:
@@ -105,7 +42,7 @@ class RetentionSweeper:
 
     def __init__(
         self,
-        store: SqliteStore,
+        store: Store,
         blobs: BlobStore,
         settings: StorageSettings,
         on_purged: Callable[[str], Awaitable[None]] | None = None,
@@ -126,21 +63,18 @@ class RetentionSweeper:
             await self._vacuum()
 
     async def _purge(self, session_id: str) -> None:
-        on = self.store.on_thread
         rows = 16
-        for sql in (EVENTS_STEP, EXECUTIONS_STEP):
+        for table in ("events", "executions"):
             while True:
                 t0 = time.monotonic()
-                if not await on(
-                    partial(delete_step, sql=sql, params={"sid": session_id, "rows": rows})
-                ):
+                if not await self.store.purge_step(table, session_id, rows):
                     break
                 took = time.monotonic() - t0
                 if took > 2 * STEP_TIME:
                     rows = max(1, rows // 2)
                 elif took < STEP_TIME / 2:
                     rows = min(4096, rows * 2)
-        for snapshot_id in await on(partial(drop_session, store=self.store, session_id=session_id)):
+        for snapshot_id in await self.store.drop_session(session_id):
             self.blobs.remove(snapshot_id)
         if self.on_purged is not None:
             await self.on_purged(session_id)
@@ -148,34 +82,26 @@ class RetentionSweeper:
 
     async def _vacuum(self) -> None:
         before: int | None = None
-        steps = 0
         while True:
-            left = await self.store.on_thread(partial(vacuum_step, pages=self.vacuum_pages))
-            steps += 1
+            left = await self.store.reclaim(self.vacuum_pages)
             # Until nothing is left, or a step freed nothing (auto_vacuum off): never spin.
             if left == 0 or (before is not None and left >= before):
                 break
             before = left
-            if steps % CHECKPOINT_STEPS == 0:
-                await self.store.on_thread(checkpoint)
-        await self.store.on_thread(checkpoint)
 
     async def sweep(self, now: datetime | None = None) -> int:
         """One pass: purge sessions whose retention is over, trim the audit log. Returns
         the number of sessions purged."""
         now = now or datetime.now(UTC)
-        on = self.store.on_thread
-        cutoff = (now - timedelta(seconds=self.settings.retention)).isoformat()
         async with self._lock:
-            ended = await on(partial(ended_before, cutoff=cutoff))
+            ended = await self.store.ended_before(now - timedelta(seconds=self.settings.retention))
             for session_id in ended:
                 await self._purge(session_id)
             trimmed = 0
             if self.settings.audit_retention is not None:
-                before = (now - timedelta(seconds=self.settings.audit_retention)).isoformat()
+                before = now - timedelta(seconds=self.settings.audit_retention)
                 # Audit rows are small (their code is bounded): bigger steps.
-                step = partial(delete_step, sql=AUDIT_STEP, params={"cutoff": before, "rows": 4096})
-                while n := await on(step):
+                while n := await self.store.trim_audit(before, 4096):
                     trimmed += n
             if ended or trimmed:
                 await self._vacuum()

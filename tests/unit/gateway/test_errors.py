@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from kernelhub.config import Settings
+from kernelhub.errors import StoreConflictError
 from kernelhub.gateway.app import create_app
-from kernelhub.gateway.errors import json_problem
+from kernelhub.gateway.errors import json_problem, status_for
 from kernelhub.store.sqlite import SqliteStore
 from kernelhub.wire import ErrorBody, request_id_of
 
@@ -143,3 +144,22 @@ def test_json_problem_without_the_document_still_gives_the_reason() -> None:
 )
 def test_request_id_of_reads_a_bad_frame_leniently(text: str, expected: str | None) -> None:
     assert request_id_of(text) == expected
+
+
+async def test_a_closed_store_is_503_store_unavailable_and_a_taken_name_409(
+    tmp_path: Path,
+) -> None:
+    app = create_app(Settings())
+    store = await SqliteStore.open(tmp_path / "kh.sqlite3")
+    app.state.store = store
+    token = await store.create_token("alice")
+    with pytest.raises(StoreConflictError) as taken:
+        await store.create_token("alice")
+    assert status_for(taken.value) == (409, "conflict")
+    await store.close()  # as while the gateway stops
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        r = await http.get("/v1/sessions", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 503, r.text
+    assert error_body(r)["error"] == "store_unavailable"
+    assert "closed" in error_body(r)["message"]

@@ -16,7 +16,8 @@ from kernelhub.config import Settings
 from kernelhub.errors import AuthError, ForbiddenError, InvalidRequestError, NotFoundError
 from kernelhub.gateway.app import create_app
 from kernelhub.gateway.auth import authenticate, check_csrf, check_scope
-from kernelhub.store.sqlite import Principal, SqliteStore, StoredSession
+from kernelhub.store.records import Principal, StoredSession
+from kernelhub.store.sqlite import SqliteStore
 from kernelhub.tokens import TokenCreate, mint, parse_duration
 
 VIEWER = Principal(name="alice", read_only=True, session_id="s1", token="viewer")

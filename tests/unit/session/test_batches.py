@@ -27,13 +27,8 @@ from kernelhub.session.batches import (
     wait_seconds,
 )
 from kernelhub.store.quota import StorageGuard, StorageLedger
-from kernelhub.store.sqlite import (
-    Principal,
-    SqliteStore,
-    StoredBatch,
-    StoredBatchItem,
-    StoredExecution,
-)
+from kernelhub.store.records import Principal, StoredBatch, StoredBatchItem, StoredExecution
+from kernelhub.store.sqlite import SqliteStore
 from kernelhub.wire import BatchCreate, BatchItemIn, BatchState, SessionInfo, SessionState
 from tests.conftest import UNIT, eventually
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from kernelhub.models import ExecutionStatus, StatusEvent, StreamEvent
+from kernelhub.models import EndedBy, ExecutionRecord, ExecutionStatus, StatusEvent, StreamEvent
 from kernelhub.replay import Replay, Verdict
 from kernelhub.session.fanout import Published, SessionFanout, Subscriber
+from kernelhub.store.queries import Op, Query
+from kernelhub.store.records import AuditEntry
 from kernelhub.store.sqlite import SqliteStore
 
 SID = "s1"
@@ -22,6 +25,19 @@ async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
     s = await SqliteStore.open(tmp_path / "kh.sqlite3")
     yield s
     await s.close()
+
+
+def statement(
+    store: SqliteStore, sql: str, *, on_thread: bool = False
+) -> asyncio.Future[list[object]]:
+    """A raw statement through the store's one entry point, in order with its writes (on
+    its thread if asked: as a big commit would run)."""
+
+    def op() -> Op[object]:
+        return (yield Query(sql))
+
+    store._flush()
+    return store._submit([op()], write=True, big=on_thread)
 
 
 def event(seq: int, text: str = "x") -> StreamEvent:
@@ -90,14 +106,14 @@ async def test_a_failed_write_is_retried_in_order_and_reported(store: SqliteStor
     await fanout.flush()
     await take(sub, 1)
 
-    await store._run(store._q, "ALTER TABLE events RENAME TO events_away")
+    await statement(store, "ALTER TABLE events RENAME TO events_away")
     fanout.publish(event(2))
     fanout.publish(event(3))
     await asyncio.sleep(0.05)
     assert errors, "the failure was not reported"
     fanout.publish(event(4))  # published while the failed rows wait: goes after them
     assert sub.queue.empty()  # nothing uncommitted reached a subscriber
-    await store._run(store._q, "ALTER TABLE events_away RENAME TO events")
+    await statement(store, "ALTER TABLE events_away RENAME TO events")
 
     assert [i.seq for i in await take(sub, 3)] == [2, 3, 4]
     await asyncio.wait_for(fanout.flush(), 5)
@@ -125,11 +141,11 @@ async def test_a_transient_failure_on_the_store_thread_keeps_order(store: Sqlite
     errors: list[Exception] = []
     fanout = SessionFanout(SID, store, on_error=errors.append, retry_after=0.1)
     sub = fanout.subscribe(8 << 20)
-    await store._run(store._q, "ALTER TABLE events RENAME TO events_away")
+    await statement(store, "ALTER TABLE events RENAME TO events_away")
     fanout.publish(event(1, "z" * 200_000))  # over the inline limit: the store thread
     for _ in range(3):
         await asyncio.sleep(0)  # that commit is now queued on the thread
-    repaired = store._off(store._q, "ALTER TABLE events_away RENAME TO events")
+    repaired = statement(store, "ALTER TABLE events_away RENAME TO events", on_thread=True)
     fanout.publish(event(2))
     await repaired
     assert [i.seq for i in await take(sub, 2)] == [1, 2]
@@ -184,22 +200,33 @@ async def test_batch_end_once_a_commits_events_are_all_offered(store: SqliteStor
     await fanout.close()
 
 
-async def test_a_small_commit_can_go_now_a_big_one_rides_the_turn(store: SqliteStore) -> None:
+def final(execution_id: str) -> tuple[ExecutionRecord, AuditEntry]:
+    now = datetime.now(UTC)
+    record = ExecutionRecord(
+        execution_id=execution_id, status=ExecutionStatus.COMPLETED, ended_by=EndedBy.REPLY,
+        queued_at=now, finished_at=now,
+    )  # fmt: skip
+    return record, AuditEntry(principal="alice", action="execution", session_id=SID)
+
+
+async def test_a_lone_cells_final_commits_now_among_many_it_rides_the_turn(
+    store: SqliteStore,
+) -> None:
     fanout = SessionFanout(SID, store)
     sub = fanout.subscribe(1 << 20)
     delivered: list[int] = []
     sub.direct = lambda item: delivered.append(item.seq) is None
     fanout.publish(event(1))
     fanout.publish(event(2))
-    store.commit_now_if_small(2)  # a lone cell's final: committed and delivered at once
+    store.finish_execution(*final("e1"))  # three writes: committed and delivered at once
     assert delivered == [1, 2]
-    for seq in range(3, 6):
+    for seq in range(3, 12):
         fanout.publish(event(seq))
-    store.commit_now_if_small(2)  # three writes pending: they wait for the end of the turn
+    store.finish_execution(*final("e2"))  # ten writes pending: they wait for the turn's end
     assert delivered == [1, 2]
     await fanout.flush()
-    assert delivered == [1, 2, 3, 4, 5]
-    assert await stored_seqs(store) == [1, 2, 3, 4, 5]
+    assert delivered == list(range(1, 12))
+    assert await stored_seqs(store) == list(range(1, 12))
     await fanout.close()
 
 

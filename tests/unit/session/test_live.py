@@ -22,7 +22,8 @@ from kernelhub.session.recorder import Observer, Recorder
 from kernelhub.session.state import Operation, SessionState, Transition, Verdict
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store.quota import StorageGuard
-from kernelhub.store.sqlite import Principal, SqliteStore, StoredSession
+from kernelhub.store.records import Principal, StoredSession
+from kernelhub.store.sqlite import SqliteStore
 
 
 class StandInKernel:

@@ -6,7 +6,8 @@ import contextlib
 import sqlite3
 from pathlib import Path
 
-from kernelhub.store.sqlite import SCHEMA, SqliteStore
+from kernelhub.store.migrations import SCHEMA
+from kernelhub.store.sqlite import SqliteStore
 
 
 async def test_an_old_hibernation_reason_becomes_the_column_and_the_reason_goes(

@@ -1,14 +1,13 @@
-"""Storage accounting, retention, purge, the bounded audit log and schema migrations,
-against real SQLite files. The usage oracle is a full scan of the tables (what the ledger
-exists to avoid), compared with what the ledger counted as the rows went in."""
+"""What is SQLite's own (a purge gives the file's space back; a database from before
+schema versions is migrated) and the pure parts of storage: the guard, the dialects.
+tests/store/ runs the rest of the store's tests against every backend."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import sqlite3
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,11 @@ from kernelhub.errors import ConfigError, StorageFullError
 from kernelhub.models import EndedBy, ExecutionRecord, ExecutionStatus
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store import migrations
+from kernelhub.store.migrations import SCHEMA
 from kernelhub.store.quota import StorageGuard, StorageLedger
+from kernelhub.store.records import AuditEntry, StoredExecution, StoredSession, StoredSnapshot
 from kernelhub.store.retention import RetentionSweeper
-from kernelhub.store.sqlite import (
-    SCHEMA,
-    AuditEntry,
-    SqliteStore,
-    StoredExecution,
-    StoredSession,
-    StoredSnapshot,
-)
+from kernelhub.store.sqlite import SqliteStore
 
 
 def session(sid: str, owner: str) -> StoredSession:
@@ -59,6 +53,12 @@ def scanned_usage(path: Path, owner: str) -> int:
         return int(events + execs)
 
 
+def checkpoint(path: Path) -> None:
+    """Another connection checkpoints the WAL into the file (the file's size is then real)."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+
 async def fill(store: SqliteStore, sid: str, owner: str, cells: int, body_bytes: int) -> None:
     """``cells`` executions with one event of about ``body_bytes`` each, and a record."""
     now = datetime.now(UTC)
@@ -71,7 +71,7 @@ async def fill(store: SqliteStore, sid: str, owner: str, cells: int, body_bytes:
             )
         )  # fmt: skip
         body = '{"type":"stream","text":"' + ("x" * body_bytes) + '"}'
-        await store.append_event_soon(sid, i + 1, eid, body, lambda error: None)
+        await store.append_event(sid, i + 1, eid, body, lambda error: None)
         record = ExecutionRecord(
             execution_id=eid, status=ExecutionStatus.COMPLETED, ended_by=EndedBy.REPLY,
             queued_at=now, finished_at=now,
@@ -79,27 +79,6 @@ async def fill(store: SqliteStore, sid: str, owner: str, cells: int, body_bytes:
         await store.finish_execution(
             record, AuditEntry(principal=owner, action="execution", session_id=sid, code="x")
         )
-
-
-async def test_usage_is_counted_as_rows_are_written_and_survives_a_restart(
-    store: SqliteStore, tmp_path: Path
-) -> None:
-    await store.insert_session(session("a1", "alice"))
-    await store.insert_session(session("b1", "bob"))
-    await fill(store, "a1", "alice", 5, 10_000)
-    await fill(store, "b1", "bob", 2, 100)
-    # A replayed event (same seq) is ignored by the store and must not be charged twice.
-    await store.append_event_soon("a1", 1, "a1-e0", '{"again":1}', lambda error: None)
-    alice, bob = store.ledger.usage("alice"), store.ledger.usage("bob")
-    assert alice == scanned_usage(store.path, "alice") and alice > 50_000
-    assert bob == scanned_usage(store.path, "bob") and 0 < bob < alice
-    await store.close()
-    reopened = await SqliteStore.open(store.path)
-    try:
-        assert reopened.ledger.usage("alice") == alice
-        assert reopened.ledger.usage("bob") == bob
-    finally:
-        await reopened.close()
 
 
 async def test_purge_deletes_a_sessions_rows_and_the_file_shrinks(
@@ -119,7 +98,7 @@ async def test_purge_deletes_a_sessions_rows_and_the_file_shrinks(
                 size=4, sha256="0", mac="0", metadata={"kind": kind},
             )
         )  # fmt: skip
-    await store.on_thread(lambda db: db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
+    checkpoint(store.path)
     before = store.path.stat().st_size
     kept = store.ledger.usage("alice") - store.ledger.session_bytes("a1")
     await store.update_session("a1", state="deleted", deleted=True)
@@ -136,43 +115,6 @@ async def test_purge_deletes_a_sessions_rows_and_the_file_shrinks(
     assert [s.id for s in await store.list_snapshots("alice")] == ["user1"]
 
 
-async def test_the_sweeper_purges_ended_sessions_only_after_their_retention(
-    store: SqliteStore, tmp_path: Path
-) -> None:
-    sweeper = RetentionSweeper(store, BlobStore(tmp_path), StorageSettings(retention=3600))
-    for sid in ("live", "dead", "gone"):
-        await store.insert_session(session(sid, "alice"))
-        await fill(store, sid, "alice", 1, 10)
-    await store.update_session("dead", state="dead", reason="oom")
-    await store.update_session("gone", state="deleted", deleted=True)
-    assert await sweeper.sweep() == 0  # within their retention: kept
-    assert await store.get_session("dead") is not None
-    later = datetime.now(UTC) + timedelta(seconds=3601)
-    assert await sweeper.sweep(now=later) == 2
-    assert await store.get_session("dead") is None and await store.get_session("gone") is None
-    assert await store.get_session("live") is not None
-    assert store.ledger.usage("alice") == scanned_usage(store.path, "alice") > 0
-
-
-async def test_audit_keeps_bounded_code_with_its_length_and_hash_and_has_a_retention(
-    store: SqliteStore, tmp_path: Path
-) -> None:
-    code = "é" * 100 + "print('end')"  # multi-byte: the cut must not split a character
-    await store.audit(AuditEntry(principal="alice", action="execution", code=code))
-    await store.audit(AuditEntry(principal="alice", action="session.create"))
-    rows = await store.audit_log()
-    raw = code.encode()
-    assert rows[0]["code"] == "é" * 32 and len(rows[0]["code"].encode()) <= 64
-    assert rows[0]["code_bytes"] == len(raw)
-    assert rows[0]["code_sha256"] == hashlib.sha256(raw).hexdigest()
-    assert rows[1]["code"] is None and rows[1]["code_bytes"] is None
-    sweeper = RetentionSweeper(store, BlobStore(tmp_path), StorageSettings(audit_retention=60))
-    await sweeper.sweep()
-    assert len(await store.audit_log()) == 2
-    await sweeper.sweep(now=datetime.now(UTC) + timedelta(seconds=61))
-    assert await store.audit_log() == []
-
-
 async def test_a_database_from_before_versioning_is_migrated_once(tmp_path: Path) -> None:
     path = tmp_path / "old.sqlite3"
     with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
@@ -187,13 +129,12 @@ async def test_a_database_from_before_versioning_is_migrated_once(tmp_path: Path
     store = await SqliteStore.open(path)
     try:
         assert store.ledger.usage("alice") == 5000
-        stored = await store.on_thread(
-            lambda db: (
+        with contextlib.closing(sqlite3.connect(store.path)) as db:
+            stored = (
                 db.execute("SELECT version FROM schema_version").fetchall(),
                 db.execute("PRAGMA auto_vacuum").fetchone()[0],
                 db.execute("SELECT ended_at FROM sessions").fetchone()[0],
             )
-        )
         assert stored[0] == [(migrations.LATEST,)] and stored[1] == 2 and stored[2] is not None
     finally:
         await store.close()
