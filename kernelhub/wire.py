@@ -57,6 +57,12 @@ class SessionCreate(_In):
         "number = at most one every that many seconds. Incremental: only what changed is "
         "written. They make rewind possible",
     )
+    egress: str | None = Field(
+        None,
+        max_length=64,
+        description="the egress policy to run under, by name, among those the operator "
+        "lets this token use (KERNELHUB_EGRESS__ALLOWED_POLICIES); None: the token's default",
+    )
 
 
 class RewindRequest(_In):

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from kernelhub_kernel import patches
+from kernelhub_kernel import packages, patches
 
 FLUSH_INTERVAL_ENV = "KERNELHUB_FLUSH_INTERVAL"
 
@@ -47,12 +47,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         patches.relocate_jedi_cache(os.path.join(state_dir, "jedi"))
     patches.run_threads_in_starting_context()
     patches.install_confirm()
+    packages.activate()
 
     # Imported after the environment is settled: IPython reads some of it at import.
     from ipykernel.kernelapp import IPKernelApp
-    from traitlets.config import Config
-
     from jupyter_client.session import Session
+    from traitlets.config import Config
 
     patches.bound_messages(Session)
     patches.never_drop_output(IPKernelApp)
@@ -67,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     patches.deliver_fd_output_in_its_cell(app.shell, streams)
     patches.stop_output_history(app.shell)
     patches.warm_tracebacks(app.shell)
+    # IPython's own %pip runs `python -m pip`, which the image does not have.
+    app.shell.register_magic_function(packages.pip_magic, "line", "pip")
     app.start()
 
 

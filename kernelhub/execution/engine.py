@@ -21,6 +21,7 @@ import uuid
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, TypeVar
 
@@ -103,6 +104,16 @@ def _answers(handle: ExecutionHandle, result: Execution) -> dict[str, Any]:
             f"kernelhub's call in the kernel ended {result.record.status.value}: {detail}"
         )
     return handle.user_expressions
+
+
+@dataclass(eq=False)
+class _Question:
+    """A question of the host's (``KernelSession.ask``) and the cell it is asked on."""
+
+    handle: ExecutionHandle
+    prompt: str
+    answer: asyncio.Future[str]
+    shown: bool = False
 
 
 def _settle(fut: asyncio.Future[None]) -> None:
@@ -231,6 +242,9 @@ class KernelSession:
         self._pause_signal: asyncio.Future[None] = loop.create_future()
         self._resume_signal: asyncio.Future[None] = loop.create_future()
         self._input_deadline: asyncio.TimerHandle | None = None
+        # The host's own questions (the egress gate), asked through the running cell;
+        # the first is the one shown once it is asked (see ask()).
+        self._questions: deque[_Question] = deque()
         self.kernel_info: dict[str, Any] = {}
 
     # -- lifecycle --------------------------------------------------------------------
@@ -466,8 +480,14 @@ class KernelSession:
         assert self._client is not None
         handle = self._active[1]
         self._cancel_input_deadline()
-        self._client.input(value)
-        password = handle.awaiting_password
+        question = self._questions[0] if self._questions and self._questions[0].shown else None
+        if question is not None:
+            self._questions.popleft()
+            if not question.answer.done():
+                question.answer.set_result(value)
+        else:
+            self._client.input(value)
+        password = handle.awaiting_password and question is None
         self._emit(
             handle,
             InputReplyEvent(
@@ -484,6 +504,57 @@ class KernelSession:
                 execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.RUNNING
             ),
         )
+        self._show_question()
+
+    def ask(self, prompt: str) -> asyncio.Future[str]:
+        """Ask the human at the other end a question for the host (the egress gate), through
+        the running cell: an ``input_request`` event like ``confirm()``'s, answered over the
+        same channels (:meth:`send_input`), with the same deadline. The future gets the
+        answer, ``"\x04"`` when the deadline passed or the cell ended first. Questions wait
+        their turn behind each other and behind the kernel's own. Raises SessionError when
+        no user cell is running: nobody is there to ask."""
+        self._check_open()
+        if self._active is None or self._active[1].internal is not None:
+            raise SessionError("no cell is running to ask on")
+        question = _Question(self._active[1], prompt, asyncio.get_running_loop().create_future())
+        self._questions.append(question)
+        self._show_question()
+        return question.answer
+
+    def _show_question(self) -> None:
+        if not self._questions or self._questions[0].shown or self._paused:
+            return
+        question = self._questions[0]
+        handle = question.handle
+        if self._active is None or self._active[1] is not handle:
+            self._drop_questions(handle)
+            return
+        if handle.status == ExecutionStatus.AWAITING_INPUT:
+            return  # the kernel's own question first; send_input shows ours after it
+        question.shown = True
+        handle.awaiting_password = False
+        self._emit(
+            handle,
+            InputRequestEvent(execution_id=handle.id, seq=self._next_seq(), prompt=question.prompt),
+        )
+        self._start_input_deadline(handle)
+        self._emit(
+            handle,
+            StatusEvent(
+                execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.AWAITING_INPUT
+            ),
+        )
+
+    def _drop_questions(self, handle: ExecutionHandle) -> None:
+        """The cell a question was asked on has ended: nobody can answer it."""
+        kept: deque[_Question] = deque()
+        for question in self._questions:
+            if question.handle is handle:
+                if not question.answer.done():
+                    question.answer.set_result("\x04")
+            else:
+                kept.append(question)
+        self._questions = kept
 
     # -- pause and resume ---------------------------------------------------------------
 
@@ -638,6 +709,8 @@ class KernelSession:
             handle._emit(event)
             if isinstance(event, FinalEvent):
                 self._retire(handle)
+                if self._questions:
+                    self._drop_questions(handle)
         for listener in self._listeners:
             try:
                 listener(event)

@@ -15,6 +15,7 @@ Both raise only :mod:`kernelhub.errors` types; docker SDK errors are translated 
 
 from __future__ import annotations
 
+import io
 import re
 import tarfile
 import tempfile
@@ -327,11 +328,18 @@ def resolve_base(
         return name
 
 
-def write_context(fileobj: IO[bytes], sources: Path, wheels: Iterable[Path]) -> None:
+def write_context(
+    fileobj: IO[bytes],
+    sources: Path,
+    wheels: Iterable[Path],
+    wheelhouse: Iterable[Path] = (),
+    requirements: str | None = None,
+) -> None:
     """Write the docker build context as an uncompressed tar to ``fileobj``.
 
-    It holds ``Dockerfile``, ``requirements.txt``, ``wheels/*.whl`` and
-    ``kernelhub_kernel/`` (caches left out). Members are owned by root with modes
+    It holds ``Dockerfile``, ``requirements.txt`` (``requirements`` if given: a profile's
+    lock), ``wheels/*.whl``, ``wheelhouse/*.whl`` (the operator's pre-seeded wheelhouse;
+    an empty directory by default) and ``kernelhub_kernel/`` (caches left out). Members are owned by root with modes
     normalized to 0644/0755, so the image does not depend on the host checkout's
     ownership or umask.
     """
@@ -348,19 +356,31 @@ def write_context(fileobj: IO[bytes], sources: Path, wheels: Iterable[Path]) -> 
         return info
 
     with tarfile.open(fileobj=fileobj, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in ("Dockerfile", "requirements.txt"):
-            tar.add(sources / name, arcname=name, filter=normalize)
+        tar.add(sources / "Dockerfile", arcname="Dockerfile", filter=normalize)
+        if requirements is None:
+            tar.add(sources / "requirements.txt", arcname="requirements.txt", filter=normalize)
+        else:
+            _add_bytes(tar, "requirements.txt", requirements.encode())
         package = sources / "kernelhub_kernel"
         if not package.is_dir():
             raise ImageBuildError(f"the in-kernel package {package} is missing")
         tar.add(package, arcname="kernelhub_kernel", recursive=True, filter=normalize)
-        directory = tarfile.TarInfo("wheels")
-        directory.type = tarfile.DIRTYPE
-        directory.mode = 0o755
-        directory.mtime = _MTIME_FLOOR
-        tar.addfile(directory)
-        for wheel in wheels:
-            tar.add(wheel, arcname=f"wheels/{wheel.name}", filter=normalize)
+        for folder, members in (("wheels", wheels), ("wheelhouse", wheelhouse)):
+            directory = tarfile.TarInfo(folder)
+            directory.type = tarfile.DIRTYPE
+            directory.mode = 0o755
+            directory.mtime = _MTIME_FLOOR
+            tar.addfile(directory)
+            for wheel in members:
+                tar.add(wheel, arcname=f"{folder}/{wheel.name}", filter=normalize)
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o644
+    info.mtime = _MTIME_FLOOR
+    tar.addfile(info, io.BytesIO(data))
 
 
 class BuildLog:

@@ -23,6 +23,7 @@ import docker
 import docker.errors
 import requests.exceptions
 
+from kernelhub.config import EgressSettings
 from kernelhub.errors import BackendUnavailableError, ImageError, SandboxError
 from kernelhub.image import IPC_DIR, KERNEL_PYTHON, SANDBOX_GID, SANDBOX_UID
 from kernelhub.image.build import check_image
@@ -92,9 +93,11 @@ class DockerBackend(SandboxBackend):
         runtime: str = "runc",
         base_url: str | None = None,
         gateway_id: str = "",
+        egress: EgressSettings | None = None,
     ) -> None:
         """``gateway_id``: the identity of the gateway this backend serves (see
-        ``kernelhub.datadir``); its reaper removes only sandboxes labelled with it."""
+        ``kernelhub.datadir``); its reaper removes only sandboxes labelled with it.
+        ``egress``: give sandboxes the egress proxy's port (the gateway serves it)."""
         try:
             self.client = _client(base_url)
             self.client.ping()
@@ -104,6 +107,7 @@ class DockerBackend(SandboxBackend):
                 "or use KERNELHUB_BACKEND=local"
             ) from exc
         self.image = image
+        self.egress = egress
         self.runtime = runtime
         self.instance = instance
         self.gateway_id = gateway_id
@@ -309,6 +313,7 @@ class DockerSandbox(Sandbox):
             seccomp_profile=b._seccomp,
             state_dir=self.state_dir if self._state_on_host else None,
             gateway=b.gateway_id,
+            egress=b.egress,
         )
         if not _is_root():
             config["user"] = f"{_euid()}:{_egid()}"

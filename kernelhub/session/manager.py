@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 
 from kernelhub.config import Limits, Settings
+from kernelhub.egress.sessions import EgressSessions
 from kernelhub.errors import (
     InvalidRequestError,
     KernelhubError,
@@ -154,6 +155,12 @@ class SessionManager(Continuity):
         self.pool = WarmPool(
             backend, settings.pool, settings.limits, self.settings.engine, room=self._pool_room
         )
+        # The egress proxy reaches Docker sandboxes only (their supervisor forwards it).
+        self.egress = (
+            EgressSessions(settings.egress, settings.data_dir, store.audit)
+            if settings.egress.enabled and backend.name == "docker"
+            else None
+        )
 
     # -- start-up and shutdown ---------------------------------------------------------
 
@@ -249,6 +256,8 @@ class SessionManager(Continuity):
         for task in list(self._tasks):
             task.cancel()
         await self.pool.close()
+        if self.egress is not None:
+            await self.egress.close()
         for live in self.sessions.values():
             if live.kernel is not None:
                 await live.kernel.detach()
@@ -293,6 +302,7 @@ class SessionManager(Continuity):
     ) -> SessionInfo:
         limits = self.resolve_limits(body.limits)
         self.storage.check(principal.name)
+        egress_policy = self.egress.choose(principal.name, body.egress) if self.egress else None
         alive = self._alive()
         g = self.settings.gateway
         if len(alive) >= g.max_sessions:
@@ -347,6 +357,8 @@ class SessionManager(Continuity):
         live = LiveSession(
             stored=stored, limits=limits, fanout=self._fanout(stored.id), warm=warm is not None
         )
+        if self.egress is not None:
+            self.egress.remember(stored.id, egress_policy)
         live.checkpoint_policy = (
             body.checkpoints if isinstance(body.checkpoints, str) else float(body.checkpoints)
         )
@@ -433,6 +445,8 @@ class SessionManager(Continuity):
         kernel.after_cell = lambda handle: self._checkpoint(live, kernel, handle)
         kernel.add_listener(lambda event: self._on_event(live, event))
         self._spawn(self._watch(live, kernel))
+        if self.egress is not None:
+            self._spawn(self.egress.bind(live.id, live.stored.owner, kernel))
 
     def _on_event(self, live: LiveSession, event: Event) -> None:
         live.fanout.publish(event)
@@ -549,6 +563,8 @@ class SessionManager(Continuity):
 
     async def _mark_dead(self, live: LiveSession, reason: str) -> None:
         live.state = SessionState.DEAD
+        if self.egress is not None:
+            await self.egress.unbind(live.id)
         live.reason = reason
         self.pool.poke()
         await self.store.update_session(live.id, state=SessionState.DEAD.value, reason=reason)
@@ -644,6 +660,8 @@ class SessionManager(Continuity):
             await self.backend.drop_state(session_id)
         else:
             live.state = SessionState.DELETED
+            if self.egress is not None:
+                await self.egress.unbind(live.id)
             if live.kernel is not None:
                 await live.kernel.close()
             if live.hibernation is not None:

@@ -632,12 +632,31 @@ def test_build_context_holds_the_sources_and_wheels_owned_by_root(tmp_path: Path
         "kernelhub_kernel/__init__.py",
         "kernelhub_kernel/supervisor.py",
         "requirements.txt",
+        "wheelhouse",
         "wheels",
         "wheels/dill-0.4.1-py3-none-any.whl",
     ]
     assert all(m.uid == 0 and m.gid == 0 for m in members.values())
     assert stat.S_IMODE(members["kernelhub_kernel/supervisor.py"].mode) == 0o644
     assert stat.S_IMODE(members["wheels"].mode) == 0o755
+
+
+def test_build_context_takes_a_profile_lock_and_a_wheelhouse(tmp_path: Path) -> None:
+    sources = tmp_path / "kernel-image"
+    (sources / "kernelhub_kernel").mkdir(parents=True)
+    (sources / "Dockerfile").write_text("FROM scratch\n")
+    (sources / "requirements.txt").write_text("dill==0.4.1\n")
+    seeded = tmp_path / "six-1.17.0-py2.py3-none-any.whl"
+    seeded.write_bytes(b"PK")
+
+    buffer = io.BytesIO()
+    write_context(buffer, sources, [], [seeded], requirements="dill==0.4.1\nscipy==1.0\n")
+    buffer.seek(0)
+    with tarfile.open(fileobj=buffer) as tar:
+        names = sorted(tar.getnames())
+        lock = tar.extractfile("requirements.txt")
+        assert lock is not None and lock.read() == b"dill==0.4.1\nscipy==1.0\n"
+    assert "wheelhouse/six-1.17.0-py2.py3-none-any.whl" in names
 
 
 def test_the_real_kernel_image_sources_are_found() -> None:
