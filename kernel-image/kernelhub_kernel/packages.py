@@ -21,6 +21,8 @@ Run as ``python -m kernelhub_kernel.packages install NAME...`` (the ``pip`` on P
 """
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import os
 import re
@@ -46,14 +48,34 @@ def site_dir(environ: Mapping[str, str] = os.environ) -> str:
     return os.path.join(session_dir(environ), "site-packages")
 
 
+class _SessionPackages(importlib.abc.MetaPathFinder):
+    """Last on ``sys.meta_path``: an import nothing else found is looked up in the
+    session's package directory, which may have appeared since the kernel started (the
+    first install, or a restore that brought the workspace back)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if path is not None or not os.path.isdir(self.path):
+            return None  # a submodule: its package's __path__ finds it
+        if self.path not in sys.path:
+            sys.path.append(self.path)
+        sys.path_importer_cache.pop(self.path, None)
+        return importlib.machinery.PathFinder.find_spec(fullname, [self.path])
+
+
 def activate(environ: Mapping[str, str] = os.environ) -> str:
-    """Put the session's package directory on ``sys.path`` (after the image's, so an
-    install can add packages but never shadow the kernel's own). Called at kernel start;
-    the directory is made by the first install (a workspace without installs stays as
-    the user left it), and ``importlib.invalidate_caches`` then lets imports see it."""
+    """Make the session's packages importable, after the image's (an install adds
+    packages, it never shadows the kernel's own). Called at kernel start; the directory
+    is made by the first install, so a workspace without installs stays as the user
+    left it."""
     path = site_dir(environ)
-    if path not in sys.path:
+    if os.path.isdir(path) and path not in sys.path:
         sys.path.append(path)
+    sys.meta_path.append(_SessionPackages(path))
     return path
 
 

@@ -1,0 +1,358 @@
+"""Egress by policy, end to end: a real gateway, real Docker sandboxes (still
+``--network none``), the proxy on the session's Unix socket, and "the internet" on
+127.0.0.1 (tests/egress_net.py): an HTTPS server signed by a test CA for ``*.good.test``
+names, reached through pinned upstreams, and a DNS server for names that resolve into
+loopback and private ranges."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import httpx
+import pytest
+
+from tests.conftest import UNIT
+from tests.egress_net import Seen, dns_server, https_server, make_ca, make_wheel
+from tests.gateway.conftest import Gateway, gateway_run_dir, remove_sandboxes
+
+pytestmark = pytest.mark.docker
+
+SECRET = "kh-test-secret-7f3a9c"
+IMAGE = os.environ.get("KERNELHUB_DOCKER__IMAGE", "kernelhub/kernel:wt-egress")
+PROXY = "('127.0.0.1', int(__import__('os').environ['KERNELHUB_EGRESS_PORT']))"
+
+
+class Net:
+    def __init__(self, gateway: Gateway, seen: Seen) -> None:
+        self.gateway = gateway
+        self.seen = seen
+        self.admin = gateway.token("root", admin=True)
+        self.user = gateway.token("alice")
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
+    root = tmp_path_factory.mktemp("egress")
+    ca = make_ca(root / "ca")
+    wheelhouse = root / "wheelhouse"
+    make_wheel(wheelhouse, "kh_egress_probe", "1.2.3", "def hello():\n    return 'probe ok'\n")
+    with (
+        https_server(ca, root) as (port, seen),
+        dns_server({"evil.good.test": "127.0.0.1", "ten.good.test": "10.1.2.3"}) as dns_port,
+    ):
+        upstream = f"127.0.0.1:{port}"
+        policies = {
+            "test": {
+                "allow": [
+                    "api.good.test", "secret.good.test", "flood.good.test",
+                    "evil.good.test", "ten.good.test",
+                ],
+                "quota_bytes": 4_000_000,
+                "headers": {"secret.good.test": {"X-Api-Key": SECRET}},
+            },
+            "strict": {"allow": ["api.good.test"], "ask": False},
+        }  # fmt: skip
+        pins = {
+            name: upstream
+            for name in ("api.good.test", "secret.good.test", "flood.good.test", "ask.good.test")
+        }
+        gw = Gateway(
+            root / "data",
+            gateway_run_dir(),
+            KERNELHUB_DOCKER__IMAGE=IMAGE,
+            KERNELHUB_EGRESS__POLICIES=json.dumps(policies),
+            KERNELHUB_EGRESS__DEFAULT_POLICY="test",
+            KERNELHUB_EGRESS__ALLOWED_POLICIES=json.dumps({"*": ["strict"]}),
+            KERNELHUB_EGRESS__HOSTS=json.dumps(pins),
+            KERNELHUB_EGRESS__NAMESERVER=f"127.0.0.1:{dns_port}",
+            KERNELHUB_EGRESS__CA_CERT_FILE=str(ca.cert_file),
+            KERNELHUB_EGRESS__CA_KEY_FILE=str(ca.key_file),
+            KERNELHUB_EGRESS__UPSTREAM_CA_FILE=str(ca.cert_file),
+            KERNELHUB_EGRESS__WHEELHOUSE=str(wheelhouse),
+            KERNELHUB_LIMITS__INPUT_TIMEOUT="120",
+        )
+        gw.start()
+        try:
+            yield Net(gw, seen)
+        finally:
+            gw.stop()
+            remove_sandboxes()
+
+
+@pytest.fixture
+async def http(net: Net) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(
+        base_url=net.gateway.url,
+        timeout=120 * UNIT,
+        headers={"Authorization": f"Bearer {net.user}"},
+    ) as client:
+        yield client
+
+
+async def new_session(http: httpx.AsyncClient, **body: Any) -> str:
+    r = await http.post("/v1/sessions", json=body)
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+async def run(http: httpx.AsyncClient, sid: str, code: str) -> str:
+    r = await http.post(f"/v1/sessions/{sid}/executions", json={"code": code, "wait": True})
+    assert r.status_code == 200, r.text
+    return text_of(r.json())
+
+
+def text_of(execution: dict[str, Any]) -> str:
+    out = []
+    for e in execution["events"]:
+        if e["type"] == "stream":
+            out.append(e["text"])
+        elif e["type"] == "error":
+            out.append(f"{e['error']['name']}: {e['error']['value']}")
+    return "".join(out)
+
+
+async def audit(net: Net, sid: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=net.gateway.url, timeout=30 * UNIT) as client:
+        r = await client.get(
+            "/v1/admin/audit",
+            params={"session_id": sid, "limit": 1000},
+            headers={"Authorization": f"Bearer {net.admin}"},
+        )
+    assert r.status_code == 200, r.text
+    entries = list(r.json()["entries"])
+    for e in entries:
+        if isinstance(e.get("detail"), str):
+            e["detail"] = json.loads(e["detail"])
+        e["detail"] = e.get("detail") or {}
+    return entries
+
+
+async def until_awaiting_input(http: httpx.AsyncClient, eid: str) -> dict[str, Any]:
+    deadline = asyncio.get_running_loop().time() + 60 * UNIT
+    while True:
+        info = dict((await http.get(f"/v1/executions/{eid}")).json())
+        if info["status"] == "awaiting_input":
+            return info
+        assert info["record"] is None, f"finished without asking: {text_of(info)}"
+        assert asyncio.get_running_loop().time() < deadline, "never asked"
+        await asyncio.sleep(0.05)
+
+
+async def until_finished(http: httpx.AsyncClient, eid: str) -> dict[str, Any]:
+    deadline = asyncio.get_running_loop().time() + 60 * UNIT
+    while True:
+        info = dict((await http.get(f"/v1/executions/{eid}")).json())
+        if info["record"] is not None:
+            return info
+        assert asyncio.get_running_loop().time() < deadline, "never finished"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_allowed_domain_works_from_urllib_and_requests(
+    net: Net, http: httpx.AsyncClient
+) -> None:
+    sid = await new_session(http)
+    out = await run(
+        http,
+        sid,
+        "import urllib.request, requests\n"
+        "print(urllib.request.urlopen('https://api.good.test/from-urllib').read().decode())\n"
+        "print(requests.get('https://api.good.test/from-requests', timeout=30).text)\n",
+    )
+    assert "hello from api.good.test /from-urllib" in out, out
+    assert "hello from api.good.test /from-requests" in out, out
+    # Still no network of its own: only loopback exists in the sandbox.
+    out = await run(http, sid, "import socket; print(socket.if_nameindex())")
+    assert "'lo'" in out and "eth" not in out, out
+
+
+CONNECT = f"""
+import socket, ssl
+def connect(target, sni=None):
+    s = socket.create_connection({PROXY})
+    s.sendall(f"CONNECT {{target}} HTTP/1.1\\r\\nHost: {{target}}\\r\\n\\r\\n".encode())
+    head = s.recv(4096).decode(errors="replace").split("\\r\\n")[0]
+    if sni is None or " 200 " not in head:
+        return head
+    ctx = ssl.create_default_context()
+    try:
+        with ctx.wrap_socket(s, server_hostname=sni) as t:
+            return "tls ok " + t.version()
+    except (OSError, ssl.SSLError) as exc:
+        return f"tls refused: {{type(exc).__name__}}"
+"""
+
+
+async def test_ip_literals_private_answers_and_a_wrong_sni_are_refused(
+    net: Net, http: httpx.AsyncClient
+) -> None:
+    sid = await new_session(http)
+    port = net.gateway.env["KERNELHUB_EGRESS__HOSTS"]
+    literal = json.loads(port)["api.good.test"]  # the real server's loopback address
+    out = await run(
+        http,
+        sid,
+        CONNECT + f"print('literal:', connect({literal!r}))\n"
+        "print('v6:', connect('[::1]:443'))\n"
+        "print('decimal:', connect('2130706433:443'))\n"
+        "print('loopback dns:', connect('evil.good.test:443'))\n"
+        "print('private dns:', connect('ten.good.test:443'))\n"
+        "print('right sni:', connect('api.good.test:443', sni='api.good.test'))\n"
+        "print('wrong sni:', connect('api.good.test:443', sni='other.good.test'))\n",
+    )
+    lines = dict(line.split(": ", 1) for line in out.strip().splitlines())
+    assert lines["literal"].startswith("HTTP/1.1 403") and "IP address" in lines["literal"]
+    assert lines["v6"].startswith("HTTP/1.1 403") and "IP address" in lines["v6"]
+    assert lines["decimal"].startswith("HTTP/1.1 403") and "numeric" in lines["decimal"]
+    assert "403" in lines["loopback dns"] and "127.0.0.1 is loopback" in lines["loopback dns"]
+    assert "403" in lines["private dns"] and "10.1.2.3 is private" in lines["private dns"]
+    assert lines["right sni"].startswith("tls ok"), out
+    assert lines["wrong sni"].startswith("tls refused"), out
+    reasons = [
+        e["detail"].get("reason", "") for e in await audit(net, sid) if e["action"] == "egress.deny"
+    ]
+    assert any("TLS server name 'other.good.test' is not api.good.test" in r for r in reasons)
+
+
+async def test_a_domain_off_a_strict_policy_fails_with_a_clear_error(
+    net: Net, http: httpx.AsyncClient
+) -> None:
+    sid = await new_session(http, egress="strict")
+    out = await run(
+        http,
+        sid,
+        "import urllib.request\n"
+        "try:\n"
+        "    urllib.request.urlopen('https://secret.good.test/x')\n"
+        "except OSError as exc:\n"
+        "    print('refused:', exc)\n",
+    )
+    assert "refused:" in out and "secret.good.test:443 is not on policy 'strict'" in out, out
+    r = await http.post("/v1/sessions", json={"egress": "nonesuch"})
+    assert r.status_code == 403 and "KERNELHUB_EGRESS__ALLOWED_POLICIES" in r.text, r.text
+
+
+async def test_an_unknown_domain_waits_for_a_human_answered_through_the_api(
+    net: Net, http: httpx.AsyncClient
+) -> None:
+    sid = await new_session(http)
+    code = "import requests\nprint(requests.get('https://ask.good.test/asked', timeout=90).text)\n"
+    r = await http.post(f"/v1/sessions/{sid}/executions", json={"code": code})
+    eid = r.json()["id"]
+    await until_awaiting_input(http, eid)
+    assert (await http.get(f"/v1/sessions/{sid}")).json()["awaiting_input"] == eid
+    r = await http.post(f"/v1/executions/{eid}/input", json={"value": "session"})
+    assert r.status_code == 202, r.text
+    info = await until_finished(http, eid)
+    assert "hello from ask.good.test /asked" in text_of(info), text_of(info)
+    prompts = [e["prompt"] for e in info["events"] if e["type"] == "input_request"]
+    assert len(prompts) == 1 and "ask.good.test:443 for this session?" in prompts[0], prompts
+    # "for this session": the next request goes without asking.
+    out = await run(http, sid, code.replace("/asked", "/again"))
+    assert "hello from ask.good.test /again" in out, out
+    # Deny: a clear error in the cell, and it stays denied.
+    r = await http.post(
+        f"/v1/sessions/{sid}/executions",
+        json={
+            "code": "import urllib.request\ntry:\n    urllib.request.urlopen("
+            "'https://nope.good.test/')\nexcept OSError as exc:\n    print('refused:', exc)\n"
+        },
+    )
+    eid2 = r.json()["id"]
+    await until_awaiting_input(http, eid2)
+    await http.post(f"/v1/executions/{eid2}/input", json={"value": "deny"})
+    out = text_of(await until_finished(http, eid2))
+    assert "refused:" in out and "denied by a human" in out, out
+    entries = await audit(net, sid)
+    answers = [
+        (e["detail"]["host"], e["detail"]["answer"])
+        for e in entries
+        if e["action"] == "egress.answer"
+    ]
+    assert sorted(answers) == [("ask.good.test", "session"), ("nope.good.test", "deny")]
+    assert sum(e["action"] == "egress.ask" for e in entries) == 2
+    assert {e["detail"]["value"] for e in entries if e["action"] == "execution.input"} == {
+        "session",
+        "deny",
+    }
+
+
+async def test_the_injected_header_reaches_the_server_and_never_the_sandbox(
+    net: Net, http: httpx.AsyncClient
+) -> None:
+    sid = await new_session(http)
+    before = len(net.seen.requests)
+    out = await run(
+        http,
+        sid,
+        "import os, requests, pathlib\n"
+        "r = requests.get('https://secret.good.test/with-key', timeout=30)\n"
+        "print(r.status_code, r.text, dict(r.headers), r.request.headers)\n"
+        "print(dict(os.environ))\n"
+        "for root in ('/run/kernelhub', '/tmp', '/workspace'):\n"
+        "    for p in pathlib.Path(root).rglob('*'):\n"
+        "        if p.is_file() and not p.is_socket():\n"
+        "            try: print(p, p.read_bytes()[:100000])\n"
+        "            except OSError: pass\n",
+    )
+    assert "200 hello from secret.good.test /with-key" in out, out
+    got = [h for host, path, h in net.seen.requests[before:] if path == "/with-key"]
+    assert got and got[0].get("x-api-key") == SECRET
+    assert SECRET not in out
+    client = docker.from_env()
+    try:
+        (container,) = client.containers.list(filters={"label": f"org.kernelhub.session={sid}"})
+        assert SECRET not in json.dumps(container.attrs)
+    finally:
+        client.close()
+
+
+async def test_pip_install_from_the_wheelhouse_survives_snapshot_and_restore(
+    http: httpx.AsyncClient,
+) -> None:
+    sid = await new_session(http)
+    out = await run(
+        http,
+        sid,
+        "%pip install kh_egress_probe\nimport kh_egress_probe\nprint(kh_egress_probe.hello())",
+    )
+    assert "probe ok" in out, out
+    out = await run(http, sid, "!pip install kh-egress-probe\n!pip list | grep probe")
+    assert "already satisfied" in out and "kh-egress-probe==1.2.3" in out, out
+    r = await http.post(f"/v1/sessions/{sid}/snapshots")
+    assert r.status_code == 201, r.text
+    restored = await new_session(http, from_snapshot=r.json()["id"])
+    out = await run(http, restored, "import kh_egress_probe\nprint(kh_egress_probe.hello())")
+    assert "probe ok" in out, out
+    r = await http.post(
+        f"/v1/sessions/{sid}/executions", json={"code": "%pip install nonesuch-pkg", "wait": True}
+    )
+    assert "nonesuch-pkg" in text_of(r.json()), text_of(r.json())
+
+
+async def test_the_egress_quota_cuts_a_flood(net: Net, http: httpx.AsyncClient) -> None:
+    sid = await new_session(http)
+    out = await run(
+        http,
+        sid,
+        "import requests\n"
+        "try:\n"
+        "    r = requests.get('https://flood.good.test/flood/50000000', timeout=60)\n"
+        "    print('got', len(r.content))\n"
+        "except requests.RequestException as exc:\n"
+        "    print('cut:', type(exc).__name__)\n"
+        "try:\n"
+        "    requests.get('https://api.good.test/after', timeout=30)\n"
+        "except requests.RequestException as exc:\n"
+        "    print('after:', exc)\n",
+    )
+    assert "cut:" in out and "got" not in out, out
+    assert "quota" in out.split("after:", 1)[1], out
+    quota = [e for e in await audit(net, sid) if e["action"] == "egress.quota"]
+    assert len(quota) == 1 and quota[0]["detail"]["used_bytes"] < 4_000_000 + 1_000_000
