@@ -115,7 +115,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     seen: Seen
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         self.seen.requests.append(
             (
                 self.headers.get("Host", ""),

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import docker
