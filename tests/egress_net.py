@@ -65,6 +65,11 @@ def make_ca(directory: Path) -> TestCA:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kernelhub egress test CA")])
     now = datetime.datetime.now(datetime.UTC)
+    usage = x509.KeyUsage(
+        digital_signature=True, key_cert_sign=True, crl_sign=True,
+        content_commitment=False, key_encipherment=False, data_encipherment=False,
+        key_agreement=False, encipher_only=False, decipher_only=False,
+    )  # fmt: skip
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -74,20 +79,7 @@ def make_ca(directory: Path) -> TestCA:
         .not_valid_before(now - datetime.timedelta(hours=1))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )  # fmt: skip
+        .add_extension(usage, critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
         .sign(key, hashes.SHA256())
     )
