@@ -37,10 +37,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernelhub.config import EgressPolicy, EgressSettings  # noqa: E402
-from kernelhub.egress.policy import Answer  # noqa: E402
-from kernelhub.egress.proxy import SOCKET_NAME, EgressProxy, EgressSession  # noqa: E402
-from tests.egress_net import https_server, make_ca  # noqa: E402
+from kernelhub.config import EgressPolicy, EgressSettings
+from kernelhub.egress.policy import Answer
+from kernelhub.egress.proxy import SOCKET_NAME, EgressProxy, EgressSession
+from tests.egress_net import https_server, make_ca
 
 HOST = "api.good.test"
 SECRET_HOST = "secret.good.test"
