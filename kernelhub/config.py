@@ -394,6 +394,48 @@ class EgressSettings(BaseModel):
     )
 
 
+class Profile(BaseModel):
+    """A trust tier: the isolation, limits and egress policy a session runs with."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    isolation: Literal["docker", "gvisor", "local"] | None = Field(
+        None,
+        description="docker (runc), gvisor (Docker with runsc, where installed), local "
+        "(bubblewrap, on a local-backend gateway); None: the gateway's backend as configured",
+    )
+    limits: Limits | None = Field(
+        None,
+        description="the session's limits (a request may ask for less, never more); "
+        "None: the gateway's defaults and maximum",
+    )
+    egress: str | None = Field(
+        None, description="the egress policy (a name in KERNELHUB_EGRESS__POLICIES)"
+    )
+    description: str = ""
+
+
+class ProfileSettings(BaseModel):
+    """Trust tiers in one place (docs/egress.md): named profiles, and which tokens may use
+    which."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tiers: dict[str, Profile] = Field(
+        default_factory=dict,
+        description='named profiles, e.g. {"untrusted": {"isolation": "gvisor", "limits": '
+        '{"memory_bytes": 268435456}, "egress": "pypi"}}',
+    )
+    default: str | None = Field(
+        None, description="the profile of a session that names none; None: no profile"
+    )
+    tokens: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description='tokens (by name) restricted to profiles, e.g. {"ci-bot": ["untrusted"]}: '
+        "such a token creates sessions only with these (the first is its default)",
+    )
+
+
 class Settings(BaseSettings):
     """Everything kernelhub can be told. Variables: ``KERNELHUB_<FIELD>``, nested with ``__``
     (``KERNELHUB_LIMITS__CELL_TIMEOUT=60``)."""
@@ -417,6 +459,7 @@ class Settings(BaseSettings):
     batch: BatchSettings = Field(default_factory=BatchSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)
     egress: EgressSettings = Field(default_factory=EgressSettings)
+    profiles: ProfileSettings = Field(default_factory=ProfileSettings)
 
     @field_validator("run_dir")
     @classmethod

@@ -76,10 +76,18 @@ class EgressSessions:
         self._policies: dict[str, str | None] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def choose(self, principal: str, asked: str | None) -> str | None:
+    def choose(self, principal: str, asked: str | None, *, fixed: str | None = None) -> str | None:
         """The policy name a new session of ``principal`` gets; ``asked``: the one the
-        request names. ForbiddenError if the operator does not let this principal use it."""
+        request names; ``fixed``: its trust tier's, which no request changes.
+        ForbiddenError if the operator does not let this principal use it."""
         s = self.settings
+        if fixed is not None:
+            if asked is not None and asked != fixed:
+                raise ForbiddenError(
+                    f"this session's profile fixes its egress policy to {fixed!r}; "
+                    f"{asked!r} cannot be asked for"
+                )
+            return fixed
         if asked is None:
             return s.principal_policies.get(principal, s.default_policy)
         allowed = {*s.allowed_policies.get("*", []), *s.allowed_policies.get(principal, [])}

@@ -121,6 +121,8 @@ class DockerBackend(SandboxBackend):
         self._events: Any = None
         self._events_thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._runtimes: dict[str, str] = {}  # session id -> its trust tier's runtime
+        self._known_runtimes: frozenset[str] | None = None
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a blocking docker SDK call on our pool, translating its errors."""
@@ -192,7 +194,19 @@ class DockerBackend(SandboxBackend):
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         await self._ensure_started()
+        # A session's trust tier outlives its sandboxes: the one made for a recovery or a
+        # wake-up (whose spec names no runtime) keeps the runtime its first one had.
+        if spec.runtime is not None:
+            self._runtimes[spec.session_id] = spec.runtime
+        elif spec.session_id in self._runtimes:
+            spec = spec.model_copy(update={"runtime": self._runtimes[spec.session_id]})
         return DockerSandbox(self, spec)
+
+    async def runtimes(self) -> frozenset[str]:
+        if self._known_runtimes is None:
+            info = await self.call(self.client.info)
+            self._known_runtimes = frozenset(info.get("Runtimes") or {}) | {self.runtime}
+        return self._known_runtimes
 
     async def adopt(self, spec: SandboxSpec) -> Sandbox | None:
         await self._ensure_started()
@@ -214,6 +228,9 @@ class DockerBackend(SandboxBackend):
         sandbox = DockerSandbox(self, spec, existing=containers[0])
         self._exits[containers[0].id] = sandbox._exit
         await self.call(containers[0].reload)
+        runtime = (containers[0].attrs.get("HostConfig") or {}).get("Runtime")
+        if runtime and runtime != self.runtime:
+            self._runtimes[spec.session_id] = runtime
         if containers[0].status != "running":
             await sandbox.remove()
             return None
@@ -307,7 +324,7 @@ class DockerSandbox(Sandbox):
         config = container_config(
             self.spec,
             image=b.image,
-            runtime=b.runtime,
+            runtime=self.spec.runtime or b.runtime,
             session_dir=self.session_dir,
             instance=b.instance,
             seccomp_profile=b._seccomp,

@@ -45,6 +45,7 @@ from kernelhub.models import (
     InputReplyEvent,
     NoticeEvent,
 )
+from kernelhub.profiles import check_profiles, choose_profile, runtime_for
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.continuity import Continuity
 from kernelhub.session.fanout import SessionFanout
@@ -155,6 +156,7 @@ class SessionManager(Continuity):
         self.pool = WarmPool(
             backend, settings.pool, settings.limits, self.settings.engine, room=self._pool_room
         )
+        check_profiles(settings.profiles, settings.egress)
         # The egress proxy reaches Docker sandboxes only (their supervisor forwards it).
         self.egress = (
             EgressSessions(settings.egress, settings.data_dir, store.audit)
@@ -270,11 +272,12 @@ class SessionManager(Continuity):
             session_id, self.store, quiet_wait=self.settings.gateway.coalesce_window
         )
 
-    def resolve_limits(self, requested: LimitsIn) -> Limits:
+    def resolve_limits(self, requested: LimitsIn, tier: Limits | None = None) -> Limits:
         """The limits a session gets: the defaults, with what was asked for within the
-        operator's maximum (``InvalidRequestError`` names the one above it)."""
-        base = self.settings.limits
-        cap = self.settings.gateway.max_limits
+        operator's maximum (``InvalidRequestError`` names the one above it). ``tier``: a
+        profile's limits, both the defaults and the maximum."""
+        base = tier or self.settings.limits
+        cap = tier or self.settings.gateway.max_limits
         values = base.model_dump()
         asked = {
             "memory_bytes": requested.memory_bytes,
@@ -300,9 +303,19 @@ class SessionManager(Continuity):
     async def create(
         self, principal: Principal, body: SessionCreate, client: str | None = None
     ) -> SessionInfo:
-        limits = self.resolve_limits(body.limits)
+        tier = choose_profile(
+            self.settings.profiles, principal.token or principal.name, body.profile
+        )
+        runtime = runtime_for(tier, self.backend.name, await self.backend.runtimes())
+        limits = self.resolve_limits(body.limits, tier.profile.limits if tier else None)
         self.storage.check(principal.name)
-        egress_policy = self.egress.choose(principal.name, body.egress) if self.egress else None
+        egress_policy = (
+            self.egress.choose(
+                principal.name, body.egress, fixed=tier.profile.egress if tier else None
+            )
+            if self.egress
+            else None
+        )
         alive = self._alive()
         g = self.settings.gateway
         if len(alive) >= g.max_sessions:
@@ -336,7 +349,7 @@ class SessionManager(Continuity):
         if len(str(body.metadata)) > 16_384:
             raise InvalidRequestError("metadata is larger than 16 KiB; store less")
         t0 = time.monotonic()
-        warm = self.pool.take(limits)
+        warm = self.pool.take(limits) if runtime is None else None
         stored = StoredSession(
             id=warm.sandbox.spec.session_id if warm else uuid.uuid4().hex[:16],
             owner=principal.name,
@@ -370,7 +383,9 @@ class SessionManager(Continuity):
                 await self._make_room(limits)
                 kernel = await KernelSession.start(
                     self.backend,
-                    SandboxSpec(session_id=stored.id, owner=principal.name, limits=limits),
+                    SandboxSpec(
+                        session_id=stored.id, owner=principal.name, limits=limits, runtime=runtime
+                    ),
                     engine=self.settings.engine,
                 )
         except KernelhubError as exc:
