@@ -33,6 +33,7 @@ class Net:
         self.seen = seen
         self.admin = gateway.token("root", admin=True)
         self.user = gateway.token("alice")
+        self.bot = gateway.token("bot")
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,17 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
             KERNELHUB_EGRESS__UPSTREAM_CA_FILE=str(ca.cert_file),
             KERNELHUB_EGRESS__WHEELHOUSE=str(wheelhouse),
             KERNELHUB_LIMITS__INPUT_TIMEOUT="120",
+            KERNELHUB_PROFILES__TIERS=json.dumps(
+                {
+                    "tight": {
+                        "isolation": "docker",
+                        "limits": {"memory_bytes": 256 * 2**20, "cpus": 0.5},
+                        "egress": "strict",
+                    },
+                    "untrusted": {"isolation": "gvisor"},
+                }
+            ),
+            KERNELHUB_PROFILES__TOKENS=json.dumps({"bot": ["tight"]}),
         )
         gw.start()
         try:
@@ -355,3 +367,50 @@ async def test_the_egress_quota_cuts_a_flood(net: Net, http: httpx.AsyncClient) 
     assert "quota" in out.split("after:", 1)[1], out
     quota = [e for e in await audit(net, sid) if e["action"] == "egress.quota"]
     assert len(quota) == 1 and quota[0]["detail"]["used_bytes"] < 4_000_000 + 1_000_000
+
+
+async def test_a_token_restricted_to_a_trust_tier_gets_its_isolation_limits_and_egress(
+    net: Net, http: httpx.AsyncClient
+) -> None:
+    async with httpx.AsyncClient(
+        base_url=net.gateway.url,
+        timeout=120 * UNIT,
+        headers={"Authorization": f"Bearer {net.bot}"},
+    ) as bot:
+        sid = await new_session(bot)
+        client = docker.from_env()
+        try:
+            (container,) = client.containers.list(filters={"label": f"org.kernelhub.session={sid}"})
+            host = container.attrs["HostConfig"]
+            assert host["Memory"] == 256 * 2**20 and host["NanoCpus"] == 5 * 10**8
+            assert host["Runtime"] == "runc" and host["NetworkMode"] == "none"
+        finally:
+            client.close()
+        out = await run(
+            bot,
+            sid,
+            "import requests\n"
+            "print(requests.get('https://api.good.test/tier', timeout=30).text)\n"
+            "try:\n    requests.get('https://secret.good.test/', timeout=30)\n"
+            "except requests.RequestException as exc:\n    print('refused:', exc)\n",
+        )
+        assert "hello from api.good.test /tier" in out, out
+        assert "not on policy 'strict'" in out, out
+        r = await bot.post("/v1/sessions", json={"profile": "untrusted"})
+        assert r.status_code == 403 and "KERNELHUB_PROFILES__TOKENS" in r.text, r.text
+        r = await bot.post("/v1/sessions", json={"egress": "test"})
+        assert r.status_code == 403 and "fixes its egress policy" in r.text, r.text
+        r = await bot.post("/v1/sessions", json={"limits": {"memory_bytes": 512 * 2**20}})
+        assert r.status_code == 400 and "above the maximum" in r.text, r.text
+    # gVisor where installed: this daemon has no runsc, and the refusal says so.
+    r = await http.post("/v1/sessions", json={"profile": "untrusted"})
+    if r.status_code == 201:
+        sid = r.json()["id"]
+        client = docker.from_env()
+        try:
+            (container,) = client.containers.list(filters={"label": f"org.kernelhub.session={sid}"})
+            assert container.attrs["HostConfig"]["Runtime"] == "runsc"
+        finally:
+            client.close()
+    else:
+        assert r.status_code == 400 and "runsc" in r.text, r.text
