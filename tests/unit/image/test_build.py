@@ -748,3 +748,35 @@ def test_requirements_are_a_complete_exact_lock() -> None:
     assert roots <= set(names)
     # ipykernel 7 requires debugpy, so the lock keeps it.
     assert "debugpy" in names
+
+
+def test_profile_locks_add_to_the_slim_lock_and_refuse_loose_or_double_pins(
+    tmp_path: Path,
+) -> None:
+    from kernelhub.image.build import profile_lock
+
+    (tmp_path / "requirements.txt").write_text("# slim\nnumpy==2.4.6\n")
+    (tmp_path / "requirements-data-science.txt").write_text("scipy==1.17.1\n")
+    assert profile_lock(tmp_path, "slim") == "numpy==2.4.6\n"
+    assert profile_lock(tmp_path, "data-science") == "numpy==2.4.6\nscipy==1.17.1\n"
+    mine = tmp_path / "mine.txt"
+    mine.write_text("tabulate==0.10.0\n")
+    assert "tabulate==0.10.0" in profile_lock(tmp_path, "slim", mine)
+    mine.write_text("tabulate\n")
+    with pytest.raises(ImageBuildError, match="not pinned"):
+        profile_lock(tmp_path, "slim", mine)
+    mine.write_text("numpy==1.0\n")
+    with pytest.raises(ImageBuildError, match="twice"):
+        profile_lock(tmp_path, "slim", mine)
+    with pytest.raises(ImageBuildError, match="unknown image profile"):
+        profile_lock(tmp_path, "huge")
+
+
+def test_the_shipped_data_science_lock_adds_the_analysis_stack_without_repinning() -> None:
+    from kernelhub.image.build import kernel_image_dir, profile_lock
+
+    lock = profile_lock(kernel_image_dir(), "data-science")
+    names = {line.split("==")[0] for line in lock.split()}
+    wanted = {"scipy", "scikit-learn", "seaborn", "statsmodels", "pyarrow", "openpyxl",
+              "polars", "duckdb", "requests", "numpy", "pandas", "matplotlib"}  # fmt: skip
+    assert wanted <= names
