@@ -173,6 +173,18 @@ def forwarded_head(head: RequestHead, path: str, host: str, extra: dict[str, str
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
+@dataclass(frozen=True)
+class _Tunnel:
+    """A CONNECT the proxy has agreed to: the client's streams and where it goes."""
+
+    session: EgressSession
+    host: str
+    port: int
+    upstream: Upstream
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+
 def _reason(text: str) -> str:
     return "".join(c if 32 <= ord(c) < 127 else " " for c in text)[:400]
 
@@ -299,7 +311,7 @@ class EgressProxy:
         if head.method == "CONNECT":
             writer.write(f"{head.version} 200 Connection established\r\n\r\n".encode())
             await writer.drain()
-            await self._tunnel(session, host, port, upstream, reader, writer)
+            await self._tunnel(_Tunnel(session, host, port, upstream, reader, writer))
         else:
             url = urlsplit(head.target)
             path = (url.path or "/") + (f"?{url.query}" if url.query else "")
@@ -370,15 +382,8 @@ class EgressProxy:
                 last = exc
         raise Refused(f"cannot connect to {host}:{port}: {last}", 502)
 
-    async def _tunnel(
-        self,
-        session: EgressSession,
-        host: str,
-        port: int,
-        upstream: Upstream,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
+    async def _tunnel(self, t: _Tunnel) -> None:
+        session, host, port, reader, writer = t.session, t.host, t.port, t.reader, t.writer
         hello = b""
         while True:
             try:
@@ -400,9 +405,9 @@ class EgressProxy:
             return
         extra = header_values(session.policy, host)
         if extra and self.authority is not None:
-            await self._intercept(session, host, port, upstream, reader, writer, hello, extra)
+            await self._intercept(t, hello, extra)
             return
-        up_reader, up_writer = await self._connect(upstream, port, host, tls=False)
+        up_reader, up_writer = await self._connect(t.upstream, port, host, tls=False)
         try:
             if not session.count(len(hello)):
                 return
@@ -411,19 +416,10 @@ class EgressProxy:
         finally:
             up_writer.transport.abort()
 
-    async def _intercept(
-        self,
-        session: EgressSession,
-        host: str,
-        port: int,
-        upstream: Upstream,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        hello: bytes,
-        extra: dict[str, str],
-    ) -> None:
+    async def _intercept(self, t: _Tunnel, hello: bytes, extra: dict[str, str]) -> None:
         assert self.authority is not None
-        client = ServerSideTls(self.authority.context_for(host), reader, writer, hello)
+        session, host = t.session, t.host
+        client = ServerSideTls(self.authority.context_for(host), t.reader, t.writer, hello)
         await asyncio.wait_for(client.handshake(), HEAD_TIMEOUT)
         buffered = b""
         while b"\r\n\r\n" not in buffered:
@@ -433,7 +429,7 @@ class EgressProxy:
             buffered += chunk
         raw, _, rest = buffered.partition(b"\r\n\r\n")
         head = parse_head(raw)
-        up_reader, up_writer = await self._connect(upstream, port, host, tls=True)
+        up_reader, up_writer = await self._connect(t.upstream, t.port, host, tls=True)
         try:
             up_writer.write(forwarded_head(head, head.target, host, extra) + rest)
             if not session.count(len(buffered)):
