@@ -170,11 +170,12 @@ class Answer(Enum):
     DENY = "deny"
 
 
+#: How every gate question ends; MCP clients get a three-way choice for it.
+GATE_SUFFIX = " answer once, session or deny [deny] "
+
+
 def gate_prompt(host: str, port: int) -> str:
-    return (
-        f"allow network access to {host}:{port} for this session? "
-        "answer once, session or deny [deny] "
-    )
+    return f"allow network access to {host}:{port} for this session?{GATE_SUFFIX}"
 
 
 def parse_answer(text: str) -> Answer:
