@@ -133,7 +133,11 @@ class EgressSessions:
             # A new kernel for the same session keeps its human's answers and its meter.
             session.granted, session.denied = previous.granted, previous.denied
             session.meter = previous.meter
-        await self.proxy.open(session, kernel.sandbox.session_dir.ipc_dir)
+        try:
+            await self.proxy.open(session, kernel.sandbox.session_dir.ipc_dir)
+        except OSError as exc:
+            # The sandbox goes on without a way out; its requests fail at the forwarder.
+            log.warning("session %s: cannot serve its egress socket: %s", session_id, exc)
 
     async def unbind(self, session_id: str) -> None:
         await self.proxy.close_session(session_id)
