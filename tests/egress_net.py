@@ -109,6 +109,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # delayed ACK (40 ms) on every request.
     disable_nagle_algorithm = True
     seen: Seen
+    files: dict[str, bytes]
 
     def do_GET(self) -> None:
         self.seen.requests.append(
@@ -118,6 +119,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 {k.lower(): v for k, v in self.headers.items()},
             )
         )
+        if self._file(body=True):
+            return
         if self.path.startswith("/flood/"):
             size = int(self.path.rsplit("/", 1)[1])
             self.send_response(200)
@@ -135,6 +138,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_HEAD(self) -> None:
+        self._file(body=False)
+
+    def _file(self, *, body: bool) -> bool:
+        """Serve ``files`` (and 404 the rest of an index); False for other paths."""
+        data = self.files.get(self.path)
+        if data is None:
+            if not self.path.startswith(("/simple/", "/files/")) and body:
+                return False
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
+        self.send_response(200)
+        kind = "text/html" if self.path.endswith("/") else "application/octet-stream"
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+        return True
+
     def log_message(self, format: str, *args: object) -> None:
         pass
 
@@ -144,10 +169,13 @@ class _TLSServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 
 @contextlib.contextmanager
-def https_server(ca: TestCA, directory: Path) -> Iterator[tuple[int, Seen]]:
-    """An HTTPS server on 127.0.0.1 for ``*.good.test``; yields (port, what it saw)."""
+def https_server(
+    ca: TestCA, directory: Path, files: dict[str, bytes] | None = None
+) -> Iterator[tuple[int, Seen]]:
+    """An HTTPS server on 127.0.0.1 for ``*.good.test``; yields (port, what it saw).
+    ``files``: path -> bytes it serves as they are (a package index, for one)."""
     seen = Seen()
-    handler = type("Handler", (_Handler,), {"seen": seen})
+    handler = type("Handler", (_Handler,), {"seen": seen, "files": files or {}})
     server = _TLSServer(("127.0.0.1", 0), handler)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(ca.issue(directory, ["good.test", "*.good.test"]))
@@ -229,3 +257,17 @@ def make_wheel(directory: Path, name: str, version: str, code: str) -> Path:
         for member, data in files.items():
             zf.writestr(member, data)
     return path
+
+
+def simple_index(wheels: list[Path]) -> dict[str, bytes]:
+    """A PEP 503 simple index of ``wheels``: the paths ``https_server`` serves for it."""
+    files: dict[str, bytes] = {}
+    projects: dict[str, list[Path]] = {}
+    for wheel in wheels:
+        files[f"/files/{wheel.name}"] = wheel.read_bytes()
+        project = wheel.name.split("-", 1)[0].lower().replace("_", "-")
+        projects.setdefault(project, []).append(wheel)
+    for project, members in projects.items():
+        links = "".join(f'<a href="/files/{w.name}">{w.name}</a>\n' for w in members)
+        files[f"/simple/{project}/"] = f"<html><body>\n{links}</body></html>\n".encode()
+    return files

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import UNIT
-from tests.egress_net import Seen, dns_server, https_server, make_ca, make_wheel
+from tests.egress_net import Seen, dns_server, https_server, make_ca, make_wheel, simple_index
 from tests.gateway.conftest import Gateway, gateway_run_dir, remove_sandboxes
 
 pytestmark = pytest.mark.docker
@@ -42,8 +42,9 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     ca = make_ca(root / "ca")
     wheelhouse = root / "wheelhouse"
     make_wheel(wheelhouse, "kh_egress_probe", "1.2.3", "def hello():\n    return 'probe ok'\n")
+    mirrored = make_wheel(root / "mirror", "kh_mirror_probe", "0.1", "VALUE = 'from the mirror'\n")
     with (
-        https_server(ca, root) as (port, seen),
+        https_server(ca, root, simple_index([mirrored])) as (port, seen),
         dns_server({"evil.good.test": "127.0.0.1", "ten.good.test": "10.1.2.3"}) as dns_port,
     ):
         upstream = f"127.0.0.1:{port}"
@@ -51,7 +52,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
             "test": {
                 "allow": [
                     "api.good.test", "secret.good.test", "flood.good.test",
-                    "evil.good.test", "ten.good.test",
+                    "evil.good.test", "ten.good.test", "pypi.good.test",
                 ],
                 "quota_bytes": 4_000_000,
                 "headers": {"secret.good.test": {"X-Api-Key": SECRET}},
@@ -60,7 +61,13 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
         }  # fmt: skip
         pins = {
             name: upstream
-            for name in ("api.good.test", "secret.good.test", "flood.good.test", "ask.good.test")
+            for name in (
+                "api.good.test",
+                "secret.good.test",
+                "flood.good.test",
+                "ask.good.test",
+                "pypi.good.test",
+            )
         }
         gw = Gateway(
             root / "data",
@@ -75,6 +82,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
             KERNELHUB_EGRESS__CA_KEY_FILE=str(ca.key_file),
             KERNELHUB_EGRESS__UPSTREAM_CA_FILE=str(ca.cert_file),
             KERNELHUB_EGRESS__WHEELHOUSE=str(wheelhouse),
+            KERNELHUB_EGRESS__INDEX_URL="https://pypi.good.test/simple",
             KERNELHUB_LIMITS__INPUT_TIMEOUT="120",
             KERNELHUB_PROFILES__TIERS=json.dumps(
                 {
@@ -414,3 +422,24 @@ async def test_a_token_restricted_to_a_trust_tier_gets_its_isolation_limits_and_
             client.close()
     else:
         assert r.status_code == 400 and "runsc" in r.text, r.text
+
+
+async def test_pip_install_from_the_operators_mirror_goes_through_the_proxy(
+    net: Net, http: httpx.AsyncClient
+) -> None:
+    sid = await new_session(http)
+    before = len(net.seen.requests)
+    out = await run(
+        http,
+        sid,
+        "%pip install kh-mirror-probe\nimport kh_mirror_probe\nprint(kh_mirror_probe.VALUE)",
+    )
+    assert "from the mirror" in out, out
+    fetched = [path for _, path, _ in net.seen.requests[before:]]
+    assert "/simple/kh-mirror-probe/" in fetched and any(p.startswith("/files/") for p in fetched)
+    # The same policy applies: a session whose policy lacks the mirror cannot reach it.
+    strict = await new_session(http, egress="strict")
+    out = await run(http, strict, "%pip install kh-mirror-probe\nimport kh_mirror_probe")
+    assert "No module named 'kh_mirror_probe'" in out, out
+    denied = [e["detail"] for e in await audit(net, strict) if e["action"] == "egress.deny"]
+    assert any(d.get("host") == "pypi.good.test" for d in denied), denied
