@@ -112,6 +112,9 @@ async def http(net: Net) -> AsyncIterator[httpx.AsyncClient]:
         headers={"Authorization": f"Bearer {net.user}"},
     ) as client:
         yield client
+        # Each test's sessions go with it: the sandboxes are the machine's scarce part.
+        for session in (await client.get("/v1/sessions")).json()["sessions"]:
+            await client.delete(f"/v1/sessions/{session['id']}")
 
 
 async def new_session(http: httpx.AsyncClient, **body: Any) -> str:
