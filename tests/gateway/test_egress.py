@@ -66,6 +66,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
                 "secret.good.test",
                 "flood.good.test",
                 "ask.good.test",
+                "wsask.good.test",
                 "pypi.good.test",
             )
         }
@@ -446,3 +447,40 @@ async def test_pip_install_from_the_operators_mirror_goes_through_the_proxy(
     assert "No module named 'kh_mirror_probe'" in out, out
     denied = [e["detail"] for e in await audit(net, strict) if e["action"] == "egress.deny"]
     assert any(d.get("host") == "pypi.good.test" for d in denied), denied
+
+
+async def test_the_gate_is_answered_over_the_websocket_like_confirm(
+    net: Net, http: httpx.AsyncClient
+) -> None:
+    from websockets.asyncio.client import connect
+
+    sid = await new_session(http)
+    url = f"{net.gateway.ws_url}/v1/sessions/{sid}/stream"
+    code = (
+        "import requests\nprint(requests.get('https://wsask.good.test/', timeout=90).status_code)"
+    )
+    async with connect(url, additional_headers={"Authorization": f"Bearer {net.user}"}) as ws:
+        assert json.loads(await ws.recv())["type"] == "hello"
+        await ws.send(json.dumps({"type": "execute", "code": code, "request_id": "r1"}))
+        prompt, printed, frames = None, "", []
+        while True:
+            frame = json.loads(await asyncio.wait_for(ws.recv(), 60 * UNIT))
+            frames.append(frame)
+            event = frame.get("event") or {}
+            if event.get("type") == "input_request":
+                prompt = event["prompt"]
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "input_reply",
+                            "execution_id": event["execution_id"],
+                            "value": "once",
+                        }
+                    )
+                )
+            elif event.get("type") == "stream":
+                printed += event["text"]
+            elif event.get("type") == "final":
+                break
+    assert prompt is not None and "wsask.good.test:443" in prompt
+    assert printed.strip() == "200", frames
