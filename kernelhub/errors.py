@@ -20,6 +20,8 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     ├── NotFoundError            no such session/execution — or it belongs to someone else
     ├── AuthError                missing, unknown or revoked token; or not an admin
     │   └── ForbiddenError       not allowed from here (a browser origin off the allowlist)
+    ├── EgressRefusedError       the egress proxy will not carry a sandbox's request; the
+    │                            sandbox's client gets the reason (never an HTTP route's)
     ├── QuotaError               too many sessions, queued cells or bytes; retry later
     │   └── StorageFullError     a principal's storage quota is used up, or the disk is low
     └── InvalidRequestError      a request the gateway understood but cannot honour
@@ -109,6 +111,15 @@ class AuthError(KernelhubError):
 
 class ForbiddenError(AuthError):
     """Whoever the caller is, the request is not allowed (e.g. from this browser origin)."""
+
+
+class EgressRefusedError(KernelhubError):
+    """The egress proxy refuses a request from a sandbox (policy, resolution, quota); the
+    proxy answers the sandbox's client with the message and ``status``."""
+
+    def __init__(self, message: str, status: int = 403) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class QuotaError(KernelhubError):

@@ -22,13 +22,14 @@ import struct
 from dataclasses import dataclass
 
 from kernelhub.egress.policy import address_problem
+from kernelhub.errors import EgressRefusedError
 
 _TYPE_A = 1
 _TYPE_AAAA = 28
 _CLASS_IN = 1
 
 
-class ResolveError(Exception):
+class ResolveError(EgressRefusedError):
     """A name the proxy will not connect to; the message says why (shown to the client)."""
 
 

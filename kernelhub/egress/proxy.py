@@ -55,6 +55,7 @@ from kernelhub.egress.tls import (
     ServerSideTls,
     client_hello_sni,
 )
+from kernelhub.errors import EgressRefusedError
 
 log = logging.getLogger(__name__)
 SOCKET_NAME = "egress.sock"
@@ -68,14 +69,6 @@ _HOP = frozenset(
 
 Gate = Callable[[str, int], Awaitable[Answer]]
 Audit = Callable[[str, dict[str, object]], None]
-
-
-class Refused(Exception):
-    """A request the proxy will not carry; ``status`` is the HTTP answer."""
-
-    def __init__(self, reason: str, status: int = 403) -> None:
-        super().__init__(reason)
-        self.status = status
 
 
 @dataclass(eq=False)
@@ -258,7 +251,7 @@ class EgressProxy:
         if len(session.open_connections) >= self.settings.max_connections:
             await self._refuse(
                 writer,
-                Refused(
+                EgressRefusedError(
                     f"{self.settings.max_connections} egress connections are open, the most "
                     "per session (KERNELHUB_EGRESS__MAX_CONNECTIONS)",
                     429,
@@ -268,7 +261,7 @@ class EgressProxy:
         session.open_connections.add(writer)
         try:
             await self._serve(session, reader, writer)
-        except Refused as exc:
+        except EgressRefusedError as exc:
             await self._refuse(writer, exc)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass
@@ -278,7 +271,7 @@ class EgressProxy:
             session.open_connections.discard(writer)
             writer.transport.abort()
 
-    async def _refuse(self, writer: asyncio.StreamWriter, exc: Refused) -> None:
+    async def _refuse(self, writer: asyncio.StreamWriter, exc: EgressRefusedError) -> None:
         text = f"egress refused: {exc}"
         body = (text + "\n").encode()
         with contextlib.suppress(OSError):
@@ -300,10 +293,12 @@ class EgressProxy:
         else:
             url = urlsplit(head.target)
             if url.scheme != "http" or not url.netloc:
-                raise Refused(f"{head.target[:80]!r} is not a proxy request (http://host/...)", 400)
+                raise EgressRefusedError(
+                    f"{head.target[:80]!r} is not a proxy request (http://host/...)", 400
+                )
             host, port = split_authority(url.netloc.rpartition("@")[2], 80)
         if session.cut or session.meter.exhausted:
-            raise Refused(
+            raise EgressRefusedError(
                 f"the session's egress quota of {session.meter.quota_bytes} bytes is used up"
             )
         await self._authorize(session, host, port)
@@ -337,7 +332,7 @@ class EgressProxy:
             return
         if decision.verdict is Verdict.DENY:
             session.audit("egress.deny", {"host": host, "port": port, "reason": decision.reason})
-            raise Refused(decision.reason)
+            raise EgressRefusedError(decision.reason)
         key = (host, port)
         fut = session.pending.get(key)
         if fut is None:
@@ -345,23 +340,25 @@ class EgressProxy:
             fut.add_done_callback(lambda _: session.pending.pop(key, None))
         try:
             answer = await asyncio.shield(fut)
-        except Refused:
+        except EgressRefusedError:
             raise
         except Exception as exc:  # nobody to ask (no cell running), the session closing
             session.audit("egress.deny", {"host": host, "port": port, "reason": str(exc)})
-            raise Refused(f"{decision.reason}, and nobody could be asked: {exc}") from exc
+            raise EgressRefusedError(
+                f"{decision.reason}, and nobody could be asked: {exc}"
+            ) from exc
         if answer is Answer.SESSION:
             session.granted.add(key)
         elif answer is Answer.DENY:
             session.denied.add(key)
-            raise Refused(f"{host}:{port} was denied by a human for this session")
+            raise EgressRefusedError(f"{host}:{port} was denied by a human for this session")
 
     async def _resolve(self, session: EgressSession, host: str) -> Upstream:
         try:
             return await self.resolver.resolve(host)
         except ResolveError as exc:
             session.audit("egress.deny", {"host": host, "reason": str(exc)})
-            raise Refused(str(exc)) from exc
+            raise EgressRefusedError(str(exc)) from exc
 
     async def _connect(
         self, upstream: Upstream, port: int, host: str, *, tls: bool
@@ -380,7 +377,7 @@ class EgressProxy:
                 )
             except (OSError, TimeoutError) as exc:
                 last = exc
-        raise Refused(f"cannot connect to {host}:{port}: {last}", 502)
+        raise EgressRefusedError(f"cannot connect to {host}:{port}: {last}", 502)
 
     async def _tunnel(self, t: _Tunnel) -> None:
         session, host, port, reader, writer = t.session, t.host, t.port, t.reader, t.writer
