@@ -170,16 +170,18 @@ class _TLSServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 @contextlib.contextmanager
 def https_server(
-    ca: TestCA, directory: Path, files: dict[str, bytes] | None = None
+    ca: TestCA | None, directory: Path, files: dict[str, bytes] | None = None
 ) -> Iterator[tuple[int, Seen]]:
-    """An HTTPS server on 127.0.0.1 for ``*.good.test``; yields (port, what it saw).
-    ``files``: path -> bytes it serves as they are (a package index, for one)."""
+    """An HTTPS server on 127.0.0.1 for ``*.good.test`` (plain HTTP if ``ca`` is None);
+    yields (port, what it saw). ``files``: path -> bytes it serves as they are (a package
+    index, for one)."""
     seen = Seen()
     handler = type("Handler", (_Handler,), {"seen": seen, "files": files or {}})
     server = _TLSServer(("127.0.0.1", 0), handler)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(ca.issue(directory, ["good.test", "*.good.test"]))
-    server.socket = context.wrap_socket(server.socket, server_side=True)
+    if ca is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(ca.issue(directory, ["good.test", "*.good.test"]))
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

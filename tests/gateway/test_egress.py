@@ -28,9 +28,10 @@ PROXY = "('127.0.0.1', int(__import__('os').environ['KERNELHUB_EGRESS_PORT']))"
 
 
 class Net:
-    def __init__(self, gateway: Gateway, seen: Seen) -> None:
+    def __init__(self, gateway: Gateway, seen: Seen, plain_seen: Seen) -> None:
         self.gateway = gateway
         self.seen = seen
+        self.plain_seen = plain_seen
         self.admin = gateway.token("root", admin=True)
         self.user = gateway.token("alice")
         self.bot = gateway.token("bot")
@@ -45,6 +46,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     mirrored = make_wheel(root / "mirror", "kh_mirror_probe", "0.1", "VALUE = 'from the mirror'\n")
     with (
         https_server(ca, root, simple_index([mirrored])) as (port, seen),
+        https_server(None, root) as (plain_port, plain_seen),
         dns_server({"evil.good.test": "127.0.0.1", "ten.good.test": "10.1.2.3"}) as dns_port,
     ):
         upstream = f"127.0.0.1:{port}"
@@ -53,9 +55,13 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
                 "allow": [
                     "api.good.test", "secret.good.test", "flood.good.test",
                     "evil.good.test", "ten.good.test", "pypi.good.test",
+                    "plain.good.test",
                 ],
                 "quota_bytes": 4_000_000,
-                "headers": {"secret.good.test": {"X-Api-Key": SECRET}},
+                "headers": {
+                    "secret.good.test": {"X-Api-Key": SECRET},
+                    "plain.good.test": {"X-Api-Key": SECRET},
+                },
             },
             "strict": {"allow": ["api.good.test"], "ask": False},
         }  # fmt: skip
@@ -70,6 +76,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
                 "pypi.good.test",
             )
         }
+        pins["plain.good.test"] = f"127.0.0.1:{plain_port}"
         gw = Gateway(
             root / "data",
             gateway_run_dir(),
@@ -99,7 +106,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
         )
         gw.start()
         try:
-            yield Net(gw, seen)
+            yield Net(gw, seen, plain_seen)
         finally:
             gw.stop()
             remove_sandboxes()
@@ -328,6 +335,17 @@ async def test_the_injected_header_reaches_the_server_and_never_the_sandbox(
     got = [h for host, path, h in net.seen.requests[before:] if path == "/with-key"]
     assert got and got[0].get("x-api-key") == SECRET
     assert SECRET not in out
+    # Plain HTTP (an absolute-URI proxy request) gets it too, forged copies dropped.
+    out = await run(
+        http,
+        sid,
+        "import urllib.request\n"
+        "req = urllib.request.Request('http://plain.good.test/plain', headers={'X-Api-Key': 'forged'})\n"
+        "print(urllib.request.urlopen(req).read().decode())\n",
+    )
+    assert "hello from plain.good.test /plain" in out, out
+    got = [h for _, path, h in net.plain_seen.requests if path == "/plain"]
+    assert got and got[-1].get("x-api-key") == SECRET and "forged" not in str(got[-1])
     client = docker.from_env()
     try:
         (container,) = client.containers.list(filters={"label": f"org.kernelhub.session={sid}"})
