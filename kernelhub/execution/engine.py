@@ -21,7 +21,6 @@ import uuid
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, TypeVar
 
@@ -37,6 +36,7 @@ from kernelhub.errors import (
     SessionError,
 )
 from kernelhub.execution.collector import OVERSIZED_KEY, OutputCollector
+from kernelhub.execution.questions import HostQuestions
 from kernelhub.kernel.client import (
     MAX_FRAME_BYTES,
     MAX_MESSAGE_BYTES,
@@ -104,16 +104,6 @@ def _answers(handle: ExecutionHandle, result: Execution) -> dict[str, Any]:
             f"kernelhub's call in the kernel ended {result.record.status.value}: {detail}"
         )
     return handle.user_expressions
-
-
-@dataclass(eq=False)
-class _Question:
-    """A question of the host's (``KernelSession.ask``) and the cell it is asked on."""
-
-    handle: ExecutionHandle
-    prompt: str
-    answer: asyncio.Future[str]
-    shown: bool = False
 
 
 def _settle(fut: asyncio.Future[None]) -> None:
@@ -244,7 +234,7 @@ class KernelSession:
         self._input_deadline: asyncio.TimerHandle | None = None
         # The host's own questions (the egress gate), asked through the running cell;
         # the first is the one shown once it is asked (see ask()).
-        self._questions: deque[_Question] = deque()
+        self._questions = HostQuestions()
         self.kernel_info: dict[str, Any] = {}
 
     # -- lifecycle --------------------------------------------------------------------
@@ -480,14 +470,10 @@ class KernelSession:
         assert self._client is not None
         handle = self._active[1]
         self._cancel_input_deadline()
-        question = self._questions[0] if self._questions and self._questions[0].shown else None
-        if question is not None:
-            self._questions.popleft()
-            if not question.answer.done():
-                question.answer.set_result(value)
-        else:
+        ours = self._questions.answer(value)
+        if not ours:
             self._client.input(value)
-        password = handle.awaiting_password and question is None
+        password = handle.awaiting_password and not ours
         self._emit(
             handle,
             InputReplyEvent(
@@ -498,12 +484,14 @@ class KernelSession:
                 password=password,
             ),
         )
-        self._emit(
-            handle,
-            StatusEvent(
-                execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.RUNNING
-            ),
-        )
+        if self._questions.kernel_waiting:
+            # Ours answered, the kernel's own input() still waits: back to it.
+            handle.awaiting_password = self._questions.kernel_password
+            self._start_input_deadline(handle)
+            status = ExecutionStatus.AWAITING_INPUT
+        else:
+            status = ExecutionStatus.RUNNING
+        self._emit(handle, StatusEvent(execution_id=handle.id, seq=self._next_seq(), status=status))
         self._show_question()
 
     def ask(self, prompt: str) -> asyncio.Future[str]:
@@ -516,22 +504,17 @@ class KernelSession:
         self._check_open()
         if self._active is None or self._active[1].internal is not None:
             raise SessionError("no cell is running to ask on")
-        question = _Question(self._active[1], prompt, asyncio.get_running_loop().create_future())
-        self._questions.append(question)
+        answer = self._questions.add(self._active[1], prompt)
         self._show_question()
-        return question.answer
+        return answer
 
     def _show_question(self) -> None:
-        if not self._questions or self._questions[0].shown or self._paused:
+        if self._paused:
             return
-        question = self._questions[0]
+        question = self._questions.to_show(self._active[1] if self._active else None)
+        if question is None:
+            return
         handle = question.handle
-        if self._active is None or self._active[1] is not handle:
-            self._drop_questions(handle)
-            return
-        if handle.status == ExecutionStatus.AWAITING_INPUT:
-            return  # the kernel's own question first; send_input shows ours after it
-        question.shown = True
         handle.awaiting_password = False
         self._emit(
             handle,
@@ -544,17 +527,6 @@ class KernelSession:
                 execution_id=handle.id, seq=self._next_seq(), status=ExecutionStatus.AWAITING_INPUT
             ),
         )
-
-    def _drop_questions(self, handle: ExecutionHandle) -> None:
-        """The cell a question was asked on has ended: nobody can answer it."""
-        kept: deque[_Question] = deque()
-        for question in self._questions:
-            if question.handle is handle:
-                if not question.answer.done():
-                    question.answer.set_result("\x04")
-            else:
-                kept.append(question)
-        self._questions = kept
 
     # -- pause and resume ---------------------------------------------------------------
 
@@ -710,7 +682,7 @@ class KernelSession:
             if isinstance(event, FinalEvent):
                 self._retire(handle)
                 if self._questions:
-                    self._drop_questions(handle)
+                    self._questions.drop(handle)
         for listener in self._listeners:
             try:
                 listener(event)
@@ -893,6 +865,8 @@ class KernelSession:
                 continue
             self._emit(handle, event)
             if isinstance(event, InputRequestEvent) and handle is not None:
+                self._questions.kernel_waiting = True
+                self._questions.kernel_password = event.password
                 handle.awaiting_password = event.password
                 self._start_input_deadline(handle)
                 self._emit(
