@@ -51,8 +51,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     # Imported after the environment is settled: IPython reads some of it at import.
     from ipykernel.kernelapp import IPKernelApp
-    from jupyter_client.session import Session
     from traitlets.config import Config
+
+    from jupyter_client.session import Session
 
     patches.bound_messages(Session)
     patches.never_drop_output(IPKernelApp)
