@@ -29,10 +29,6 @@ _TYPE_AAAA = 28
 _CLASS_IN = 1
 
 
-class ResolveError(EgressRefusedError):
-    """A name the proxy will not connect to; the message says why (shown to the client)."""
-
-
 @dataclass(frozen=True)
 class Upstream:
     """Where to connect for a name: addresses (tried in order) and an optional port
@@ -134,20 +130,21 @@ class Resolver:
         self.timeout = timeout
 
     async def resolve(self, name: str) -> Upstream:
-        """Where to connect for ``name``; raises :class:`ResolveError` saying why not."""
+        """Where to connect for ``name``; raises
+        :class:`~kernelhub.errors.EgressRefusedError` saying why not (the client sees it)."""
         pin = self.pins.get(name)
         if pin is not None:
             return Upstream((pin[0],), pin[1], pinned=True)
         try:
             answers = await asyncio.wait_for(self._lookup(name), self.timeout)
         except (OSError, TimeoutError) as exc:
-            raise ResolveError(f"cannot resolve {name}: {exc or 'timed out'}") from exc
+            raise EgressRefusedError(f"cannot resolve {name}: {exc or 'timed out'}") from exc
         if not answers:
-            raise ResolveError(f"{name} does not resolve")
+            raise EgressRefusedError(f"{name} does not resolve")
         for address in answers:
             problem = address_problem(address)
             if problem is not None:
-                raise ResolveError(f"{name} resolves to {problem}; refused")
+                raise EgressRefusedError(f"{name} resolves to {problem}; refused")
         return Upstream(tuple(dict.fromkeys(answers)))
 
     async def _lookup(self, name: str) -> list[str]:

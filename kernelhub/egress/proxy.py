@@ -37,7 +37,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kernelhub.config import EgressPolicy, EgressSettings
-from kernelhub.egress.dns import ResolveError, Resolver, Upstream
+from kernelhub.egress.dns import Resolver, Upstream
 from kernelhub.egress.policy import (
     Answer,
     Meter,
@@ -50,8 +50,8 @@ from kernelhub.egress.policy import (
 )
 from kernelhub.egress.tls import (
     MAX_HELLO_BYTES,
+    NEED_MORE,
     CertificateAuthority,
-    NeedMore,
     ServerSideTls,
     client_hello_sni,
 )
@@ -356,9 +356,9 @@ class EgressProxy:
     async def _resolve(self, session: EgressSession, host: str) -> Upstream:
         try:
             return await self.resolver.resolve(host)
-        except ResolveError as exc:
+        except EgressRefusedError as exc:
             session.audit("egress.deny", {"host": host, "reason": str(exc)})
-            raise EgressRefusedError(str(exc)) from exc
+            raise
 
     async def _connect(
         self, upstream: Upstream, port: int, host: str, *, tls: bool
@@ -385,15 +385,15 @@ class EgressProxy:
         while True:
             try:
                 sni = client_hello_sni(hello)
-                break
-            except NeedMore:
-                chunk = await asyncio.wait_for(reader.read(MAX_HELLO_BYTES), HEAD_TIMEOUT)
-                if not chunk:
-                    return
-                hello += chunk
             except ValueError as exc:
                 session.audit("egress.deny", {"host": host, "port": port, "reason": str(exc)})
                 return
+            if sni != NEED_MORE:
+                break
+            chunk = await asyncio.wait_for(reader.read(MAX_HELLO_BYTES), HEAD_TIMEOUT)
+            if not chunk:
+                return
+            hello += chunk
         if sni != host:
             session.audit(
                 "egress.deny",

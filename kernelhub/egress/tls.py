@@ -34,23 +34,23 @@ _SNI = 0
 MAX_HELLO_BYTES = 16 * 1024 + 5
 
 
-class NeedMore(Exception):
-    """The ClientHello is not complete yet: read more bytes."""
+#: What :func:`client_hello_sni` answers for a prefix of a ClientHello: read more bytes.
+NEED_MORE = "\x00need-more"
 
 
 def client_hello_sni(data: bytes) -> str | None:
-    """The host name in a TLS ClientHello (``data``: the first bytes of the stream), or
-    None if it carries none. Raises :class:`NeedMore` for a prefix of one, ValueError for
-    anything that is not a ClientHello."""
+    """The host name in a TLS ClientHello (``data``: the first bytes of the stream), None
+    if it carries none, or :data:`NEED_MORE` for a prefix of one (no host name can hold a
+    NUL). Raises ValueError for anything that is not a ClientHello."""
     if len(data) < 5:
-        raise NeedMore
+        return NEED_MORE
     content_type, _, length = struct.unpack("!BHH", data[:5])
     if content_type != _HANDSHAKE:
         raise ValueError("not a TLS handshake")
     if len(data) < 5 + length:
         if 5 + length > MAX_HELLO_BYTES:
             raise ValueError("ClientHello too large")
-        raise NeedMore
+        return NEED_MORE
     body = data[5 : 5 + length]
     if len(body) < 4 or body[0] != _CLIENT_HELLO:
         raise ValueError("not a ClientHello")

@@ -8,7 +8,7 @@ import pytest
 
 from kernelhub.egress.dns import build_query, parse_answers, parse_pin
 from kernelhub.egress.proxy import forwarded_head, parse_head, split_authority
-from kernelhub.egress.tls import NeedMore, client_hello_sni
+from kernelhub.egress.tls import NEED_MORE, client_hello_sni
 from tests.egress_net import dns_answer
 
 
@@ -29,8 +29,7 @@ def test_sni_is_read_from_a_real_client_hello() -> None:
     hello = client_hello("API.Example.com")
     assert client_hello_sni(hello) == "api.example.com"
     for cut in (0, 3, 5, len(hello) // 2, len(hello) - 1):
-        with pytest.raises(NeedMore):
-            client_hello_sni(hello[:cut])
+        assert client_hello_sni(hello[:cut]) == NEED_MORE
 
 
 def test_a_client_hello_without_sni_has_none() -> None:
