@@ -24,6 +24,8 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     │   └── ForbiddenError       not allowed from here (a browser origin off the allowlist)
     ├── StoreError               the store failed, or is closed or unreachable (retry later)
     │   └── StoreConflictError   a name or key that must be unique is taken; names it
+    ├── EgressRefusedError       the egress proxy will not carry a sandbox's request; the
+    │                            sandbox's client gets the reason (never an HTTP route's)
     ├── QuotaError               too many sessions, queued cells or bytes; retry later
     │   └── StorageFullError     a principal's storage quota is used up, or the disk is low
     ├── InvalidRequestError      a request the gateway understood but cannot honour
@@ -148,6 +150,15 @@ class StoreError(KernelhubError):
 
 class StoreConflictError(StoreError):
     """A name or key that must be unique is already taken (it names it)."""
+
+
+class EgressRefusedError(KernelhubError):
+    """The egress proxy refuses a request from a sandbox (policy, resolution, quota); the
+    proxy answers the sandbox's client with the message and ``status``."""
+
+    def __init__(self, message: str, status: int = 403) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class QuotaError(KernelhubError):

@@ -57,6 +57,18 @@ class SessionCreate(_In):
         "number = at most one every that many seconds. Incremental: only what changed is "
         "written. They make rewind possible",
     )
+    profile: str | None = Field(
+        None,
+        max_length=64,
+        description="the trust tier to run in (isolation, limits, egress), by name, among "
+        "those the operator defines and lets this token use (KERNELHUB_PROFILES__*)",
+    )
+    egress: str | None = Field(
+        None,
+        max_length=64,
+        description="the egress policy to run under, by name, among those the operator "
+        "lets this token use (KERNELHUB_EGRESS__ALLOWED_POLICIES); None: the token's default",
+    )
 
 
 class RewindRequest(_In):

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from kernelhub_kernel import bounds, cell_log, patches
+from kernelhub_kernel import bounds, cell_log, packages, patches
 
 FLUSH_INTERVAL_ENV = "KERNELHUB_FLUSH_INTERVAL"
 
@@ -47,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         patches.relocate_jedi_cache(os.path.join(state_dir, "jedi"))
     patches.run_threads_in_starting_context()
     patches.install_confirm()
+    packages.activate()
 
     # Imported after the environment is settled: IPython reads some of it at import.
     from ipykernel.kernelapp import IPKernelApp
@@ -69,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     patches.warm_tracebacks(app.shell)
     # Before the first cell: what a cell did outside the session is seen only as it runs.
     cell_log.install(app.shell)
+    # IPython's own %pip runs `python -m pip`, which the image does not have.
+    app.shell.register_magic_function(packages.pip_magic, "line", "pip")
     app.start()
 
 

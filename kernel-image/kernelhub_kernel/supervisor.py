@@ -68,6 +68,8 @@ class Supervisor:
         # instead of re-entering it, and no SIGCHLD is lost between fork and wait. (Blocked
         # signals are queued even for a pid 1 that has no handler for them.)
         signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED_SIGNALS)
+        # After the mask: the forwarder's thread inherits it and never takes our signals.
+        start_egress(os.environ)
         self._spawn_kernel()
         while True:
             # Interrupted by another signal, Python retries the call (PEP 475).
@@ -209,6 +211,18 @@ def seed_mplconfig(environ: Mapping[str, str], prebuilt: str = PREBUILT_MPLCONFI
             file=sys.stderr,
             flush=True,
         )
+
+
+def start_egress(environ: Mapping[str, str]) -> None:
+    """The loopback port HTTP_PROXY points at, forwarded to the gateway's egress proxy
+    (``kernelhub_kernel.egress``); imported only when the host asked for it: asyncio
+    costs start-up time."""
+    if not environ.get("KERNELHUB_EGRESS_PORT"):
+        return
+    from kernelhub_kernel import egress
+
+    egress.write_bundle(environ)
+    egress.start_forwarder(environ)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernelhub.egress.policy import GATE_SUFFIX, Answer
 from kernelhub.models import DisplayEvent, ErrorEvent, Event, ResultEvent, StreamEvent
 
 __all__ = [
@@ -84,7 +85,19 @@ class LiveOutput:
 
 def elicitation_for(prompt: str, password: bool = False) -> tuple[str, dict[str, Any]]:
     """The message and form schema that ask the user what the cell's ``input(prompt)``
-    asks; a ``confirm(question)`` becomes a yes/no checkbox."""
+    asks; a ``confirm(question)`` becomes a yes/no checkbox, the egress gate's question
+    a choice of once / session / deny."""
+    if prompt.endswith(GATE_SUFFIX):
+        question = prompt.removesuffix(GATE_SUFFIX)
+        choices = [a.value for a in Answer]
+        schema = {
+            "type": "object",
+            "properties": {
+                "answer": {"type": "string", "title": question, "enum": choices, "default": "deny"}
+            },
+            "required": ["answer"],
+        }
+        return f"The Python cell's network request needs a decision: {question}", schema
     if prompt.endswith(CONFIRM_SUFFIX):
         question = prompt.removesuffix(CONFIRM_SUFFIX)
         schema = {
@@ -107,6 +120,8 @@ def answer_of(prompt: str, action: str, content: dict[str, Any] | None) -> str:
     cancelling answers the empty string, which ``confirm()`` reads as no."""
     if action != "accept" or not content:
         return ""
+    if prompt.endswith(GATE_SUFFIX):
+        return str(content.get("answer", "deny"))  # the gate reads anything else as deny
     if prompt.endswith(CONFIRM_SUFFIX):
         return "y" if content.get("answer") is True else "n"
     value = content.get("value")

@@ -208,6 +208,28 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--mirror", default=None, help="Debian mirror for debootstrap")
     build.add_argument("--tag", default=None, help="image name (default: $KERNELHUB_DOCKER__IMAGE)")
+    build.add_argument(
+        "--profile",
+        default="slim",
+        choices=["slim", "data-science"],
+        help="slim: numpy, pandas, matplotlib; data-science: adds scipy, scikit-learn, "
+        "statsmodels, seaborn, polars, duckdb, pyarrow, openpyxl ... (docs/egress.md)",
+    )
+    build.add_argument(
+        "--requirements",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="your own lock (name==version lines) installed on top of the profile",
+    )
+    build.add_argument(
+        "--wheelhouse",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a requirements file whose wheels (and dependencies) seed the image's "
+        "wheelhouse: `pip install` in a cell installs them with no network",
+    )
     gateway.add_argument(
         "--tag", default=None, help="image name (default: kernelhub/gateway:VERSION)"
     )

@@ -40,6 +40,9 @@ def build_kernel_image(
     base: str = "auto",
     mirror: str | None = None,
     verbose: bool = False,
+    profile: str = "slim",
+    requirements: Path | None = None,
+    wheelhouse: Path | None = None,
 ) -> ImageInfo:
     """``kernelhub image build`` and ``serve``'s first start: the build behind a
     :class:`BuildDisplay`; the tools' output goes to a log file named on failure."""
@@ -54,6 +57,9 @@ def build_kernel_image(
             mirror=mirror or DEBIAN_MIRROR,
             progress=show,
             client=client,
+            profile=profile,
+            requirements=requirements,
+            wheelhouse=wheelhouse,
         )
     _say_built(info, show)
     return info
@@ -69,7 +75,14 @@ def _say_built(info: Any, display: BuildDisplay) -> None:
 
 def image_build(settings: Settings, args: argparse.Namespace) -> int:
     build_kernel_image(
-        settings, tag=args.tag, base=args.base, mirror=args.mirror, verbose=args.verbose
+        settings,
+        tag=args.tag,
+        base=args.base,
+        mirror=args.mirror,
+        verbose=args.verbose,
+        profile=args.profile,
+        requirements=args.requirements,
+        wheelhouse=args.wheelhouse,
     )
     return 0
 

@@ -27,13 +27,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from kernelhub.config import EngineSettings, Limits
-from kernelhub.errors import KernelDiedError, KernelhubError, SessionClosedError, SessionError
+from kernelhub.errors import KernelDiedError, SessionClosedError, SessionError
+from kernelhub.execution.answers import InputDesk
 from kernelhub.execution.cell import CellRunner, Started
 from kernelhub.execution.handle import ExecutionHandle
 from kernelhub.execution.link import KernelLink
 from kernelhub.execution.record import unstarted_record
 from kernelhub.execution.router import MessageRouter
-from kernelhub.execution.timeouts import AnswerDeadline, Escalation, PauseGate
+from kernelhub.execution.timeouts import Escalation, PauseGate
 from kernelhub.execution.worker import CellWorker, Exclusive
 from kernelhub.models import (
     EndedBy,
@@ -41,8 +42,6 @@ from kernelhub.models import (
     Execution,
     ExecutionStatus,
     FinalEvent,
-    InputReplyEvent,
-    InputRequestEvent,
     NoticeEvent,
     ResourceUsage,
     StatusEvent,
@@ -81,11 +80,14 @@ class KernelSession:
         self._exit: ExitInfo | None = None
         self._closed = False
         self._gate = PauseGate()
-        self._input_deadline = AnswerDeadline()
         # Called by the worker after each user cell, before the next: checkpoints.
         self.after_cell: Callable[[ExecutionHandle], Awaitable[None]] | None = None
         self._router = MessageRouter(
-            self.id, limits, emit=self._emit, next_seq=self.next_seq, on_input=self._asked_input
+            self.id,
+            limits,
+            emit=self._emit,
+            next_seq=self.next_seq,
+            on_input=lambda handle, event: self._desk.kernel_asked(handle, event),
         )
         self._link = KernelLink(
             sandbox,
@@ -98,10 +100,14 @@ class KernelSession:
         escalation = Escalation(
             sandbox, engine, notice=self.notice, restart=self._link.restart, dead=self._dead
         )
+        self._desk = InputDesk(
+            limits, self._gate, router=lambda: self._router, link=lambda: self._link,
+            emit=self._emit, next_seq=self.next_seq, notice=self.notice,
+        )  # fmt: skip
         self._cells = CellRunner(
             sandbox, self._link, self._router, self._gate, escalation,
             emit=self._emit, next_seq=self.next_seq, exit_info=lambda: self._exit,
-            on_end=self._cancel_input_deadline,
+            on_end=self._desk.cancel_deadline,
         )  # fmt: skip
 
     # -- lifecycle --------------------------------------------------------------------
@@ -372,35 +378,20 @@ class KernelSession:
         return True
 
     def send_input(self, value: str, *, answered_by: str = "user") -> None:
-        """Answer the running cell's ``input()`` request (``"\\x04"`` is EOF)."""
+        """Answer the running cell's ``input()`` request, or the host's question on show
+        (``"\\x04"`` is EOF)."""
         self._check_open()
-        if self._gate.paused:
-            raise SessionError("the session is paused; resume it before answering")
-        active = self._router.active
-        if active is None or active.handle.status != ExecutionStatus.AWAITING_INPUT:
-            raise SessionError("no cell is waiting for input")
-        client = self._link.client
-        assert client is not None
-        handle = active.handle
-        self._cancel_input_deadline()
-        client.input(value)
-        password = handle.awaiting_password
-        self._emit(
-            handle,
-            InputReplyEvent(
-                execution_id=handle.id,
-                seq=self.next_seq(),
-                value="" if password else value,
-                answered_by=answered_by,
-                password=password,
-            ),
-        )
-        self._emit(
-            handle,
-            StatusEvent(
-                execution_id=handle.id, seq=self.next_seq(), status=ExecutionStatus.RUNNING
-            ),
-        )
+        self._desk.answer(value, answered_by)
+
+    def ask(self, prompt: str) -> asyncio.Future[str]:
+        """Ask the human at the other end a question for the host (the egress gate), through
+        the running cell: an ``input_request`` event like ``confirm()``'s, answered over the
+        same channels (:meth:`send_input`), with the same deadline. The future gets the
+        answer, ``"\\x04"`` when the deadline passed or the cell ended first. Questions wait
+        their turn behind each other and behind the kernel's own. Raises SessionError when
+        no user cell is running: nobody is there to ask."""
+        self._check_open()
+        return self._desk.ask(prompt)
 
     # -- pause and resume ---------------------------------------------------------------
 
@@ -419,7 +410,7 @@ class KernelSession:
             raise SessionError("the session is already paused")
         await self.sandbox.pause()
         self._gate.pause()
-        self._cancel_input_deadline()
+        self._desk.cancel_deadline()
         if self._router.active is not None:
             handle = self._router.active.handle
             handle.status_before_pause = handle.status
@@ -444,36 +435,7 @@ class KernelSession:
                 handle, StatusEvent(execution_id=handle.id, seq=self.next_seq(), status=status)
             )
             if status == ExecutionStatus.AWAITING_INPUT:
-                self._start_input_deadline(handle)
-
-    # -- input deadline -----------------------------------------------------------------
-
-    def _asked_input(self, handle: ExecutionHandle, event: InputRequestEvent) -> None:
-        handle.awaiting_password = event.password
-        self._start_input_deadline(handle)
-        self._emit(
-            handle,
-            StatusEvent(
-                execution_id=handle.id, seq=self.next_seq(), status=ExecutionStatus.AWAITING_INPUT
-            ),
-        )
-
-    def _start_input_deadline(self, handle: ExecutionHandle) -> None:
-        self._input_deadline.start(self.limits.input_timeout, self._answer_for_the_human, handle)
-
-    def _cancel_input_deadline(self) -> None:
-        self._input_deadline.cancel()
-
-    def _answer_for_the_human(self, handle: ExecutionHandle, timeout: float) -> None:
-        active = self._router.active
-        if active is None or active.handle is not handle or self._gate.paused:
-            return
-        self.notice(
-            f"no answer within {timeout:g} s; answering for the human (input() raises EOFError, confirm() returns False)",
-            handle,
-        )
-        with contextlib.suppress(KernelhubError):
-            self.send_input("\x04", answered_by="deadline")
+                self._desk.start_deadline(handle)
 
     async def call(
         self, code: str, expressions: dict[str, str], *, timeout: float | None
@@ -543,6 +505,7 @@ class KernelSession:
             handle._emit(event)
             if isinstance(event, FinalEvent):
                 self._retire(handle)
+                self._desk.ended(handle)
         for listener in self._listeners:
             try:
                 listener(event)

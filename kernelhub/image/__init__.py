@@ -39,6 +39,14 @@ WORKSPACE = "/workspace"
 RUN_DIR = "/run/kernelhub"
 CONNECTION_FILE = "/run/kernelhub/kernel.json"
 IPC_DIR = "/run/kernelhub/ipc"
+#: The egress proxy's socket, put in the socket directory by the gateway.
+EGRESS_SOCKET = "/run/kernelhub/ipc/egress.sock"
+#: The operator's egress CA (mounted read-only when configured), and the bundle the
+#: supervisor writes from it and the image's roots, which SSL_CERT_FILE names.
+EGRESS_CA = "/run/kernelhub/egress-ca.pem"
+TRUST_BUNDLE = "/tmp/.kernelhub/ca-bundle.pem"
+#: The operator's wheelhouse, mounted read-only when configured (`pip install` in a cell).
+WHEELHOUSE = "/opt/wheelhouse"
 
 #: The container command (also the image's CMD); kernelhub passes it explicitly.
 KERNEL_COMMAND: tuple[str, ...] = (
@@ -65,6 +73,8 @@ __all__ = [
     "CONNECTION_FILE",
     "DEBIAN_MIRROR",
     "DEFAULT_IMAGE",
+    "EGRESS_CA",
+    "EGRESS_SOCKET",
     "IPC_DIR",
     "KERNEL_COMMAND",
     "KERNEL_PACKAGE_ROOT",
@@ -81,5 +91,7 @@ __all__ = [
     "SANDBOX_GID",
     "SANDBOX_UID",
     "SANDBOX_USER",
+    "TRUST_BUNDLE",
+    "WHEELHOUSE",
     "WORKSPACE",
 ]

@@ -15,6 +15,7 @@ Both raise only :mod:`kernelhub.errors` types; docker SDK errors are translated 
 
 from __future__ import annotations
 
+import io
 import re
 import tarfile
 import tempfile
@@ -43,9 +44,15 @@ from kernelhub.image import (
 from kernelhub.image.base import build_debootstrap_base, find_base_image, probe_platform
 from kernelhub.image.docker_errors import docker_errors
 from kernelhub.image.process import TAIL_LINES, format_tail
-from kernelhub.image.wheels import download_wheels
+from kernelhub.image.wheels import download_wheelhouse, download_wheels, locked_requirements
 
 BaseChoice = Literal["auto", "debootstrap", "python-slim"]
+#: Image profiles: the slim lock (``requirements.txt``) and what each profile adds to it.
+PROFILES: dict[str, str | None] = {
+    "slim": None,
+    "data-science": "requirements-data-science.txt",
+}
+LABEL_PROFILE = "org.kernelhub.profile"
 #: The registry image ``base="python-slim"`` builds on (only when asked for explicitly).
 PYTHON_SLIM = "python:3.11-slim"
 _BUILD_CONTEXT_SKIP = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache"})
@@ -148,6 +155,9 @@ def build_image(
     client: docker.DockerClient | None = None,
     nocache: bool = False,
     sources: Path | None = None,
+    profile: str = "slim",
+    requirements: Path | None = None,
+    wheelhouse: Path | None = None,
 ) -> ImageInfo:
     """Build the kernel image and return its checked :class:`ImageInfo`.
 
@@ -163,8 +173,13 @@ def build_image(
     lock and platform, so rebuilds are offline. ``client`` defaults to one made from
     ``settings.docker``; ``sources`` (Dockerfile, requirements.txt, kernelhub_kernel/) to
     :func:`kernel_image_dir`. The CLI passes its ``settings``; without them they are
-    loaded from the environment here. Raises :class:`ImageBuildError`, or
-    :class:`BackendUnavailableError` when no Docker daemon answers.
+    loaded from the environment here. ``profile``: ``slim`` (numpy, pandas, matplotlib)
+    or ``data-science`` (adds ``requirements-data-science.txt``: scipy, scikit-learn,
+    statsmodels, polars, duckdb, pyarrow ...); ``requirements``: the operator's own lock
+    of further pins, added to either; ``wheelhouse``: a requirements file whose wheels
+    (with dependencies) seed the image's wheelhouse for ``pip install`` in a cell.
+    Raises :class:`ImageBuildError`, or :class:`BackendUnavailableError` when no Docker
+    daemon answers.
     """
     if settings is None:
         settings = load_settings()
@@ -185,15 +200,22 @@ def build_image(
         )
 
         progress("==> [2/4] wheels (pip download on the host)")
-        wheels = download_wheels(
-            sources / "requirements.txt", settings.data_dir / "wheels", target, progress
-        )
+        lock = profile_lock(sources, profile, requirements)
+        with tempfile.TemporaryDirectory(prefix="kernelhub-lock-") as tmp:
+            lock_file = Path(tmp) / "requirements.txt"
+            lock_file.write_text(lock)
+            wheels = download_wheels(lock_file, settings.data_dir / "wheels", target, progress)
+        seeded: list[Path] = []
+        if wheelhouse is not None:
+            seeded = download_wheelhouse(
+                wheelhouse, settings.data_dir / "wheelhouse", target, progress
+            )
 
         progress(f"==> [3/4] docker build {tag} (network disabled)")
         previous_id = _current_id(client, tag)
         step_started = time.monotonic()
         with tempfile.TemporaryFile() as context:
-            write_context(context, sources, wheels)
+            write_context(context, sources, wheels, seeded, requirements=lock)
             context.seek(0)
             image_id = _docker_build(
                 client,
@@ -210,6 +232,7 @@ def build_image(
                     LABEL_MANAGED: "true",
                     LABEL_PYTHON: target.python_version,
                     LABEL_ROLE: "kernel",
+                    LABEL_PROFILE: profile,
                 },
                 nocache=nocache,
                 progress=progress,
@@ -222,6 +245,35 @@ def build_image(
     finally:
         if own_client:
             client.close()
+
+
+def profile_lock(sources: Path, profile: str, extra: Path | None = None) -> str:
+    """The image's full lock: the slim one, the profile's additions, the operator's."""
+    if profile not in PROFILES:
+        raise ImageBuildError(
+            f"unknown image profile {profile!r}; choose one of {', '.join(PROFILES)}"
+        )
+    parts = [(sources / "requirements.txt").read_text()]
+    added = PROFILES[profile]
+    if added is not None:
+        parts.append((sources / added).read_text())
+    if extra is not None:
+        try:
+            parts.append(extra.read_text())
+        except OSError as exc:
+            raise ImageBuildError(f"cannot read the requirements file {extra}: {exc}") from exc
+    names: dict[str, str] = {}
+    for line in locked_requirements("\n".join(parts)):
+        name = line.split("==", 1)[0]
+        if "==" not in line:
+            raise ImageBuildError(
+                f"{line!r} is not pinned; every requirement of the image is name==version "
+                "(a lock, so the offline build resolves nothing)"
+            )
+        if name in names and names[name] != line:
+            raise ImageBuildError(f"{names[name]!r} and {line!r} pin the same package twice")
+        names[name] = line
+    return "".join(f"{line}\n" for line in sorted(names.values()))
 
 
 def _current_id(client: docker.DockerClient, tag: str) -> str | None:
@@ -327,11 +379,18 @@ def resolve_base(
         return name
 
 
-def write_context(fileobj: IO[bytes], sources: Path, wheels: Iterable[Path]) -> None:
+def write_context(
+    fileobj: IO[bytes],
+    sources: Path,
+    wheels: Iterable[Path],
+    wheelhouse: Iterable[Path] = (),
+    requirements: str | None = None,
+) -> None:
     """Write the docker build context as an uncompressed tar to ``fileobj``.
 
-    It holds ``Dockerfile``, ``requirements.txt``, ``wheels/*.whl`` and
-    ``kernelhub_kernel/`` (caches left out). Members are owned by root with modes
+    It holds ``Dockerfile``, ``requirements.txt`` (``requirements`` if given: a profile's
+    lock), ``wheels/*.whl``, ``wheelhouse/*.whl`` (the operator's pre-seeded wheelhouse;
+    an empty directory by default) and ``kernelhub_kernel/`` (caches left out). Members are owned by root with modes
     normalized to 0644/0755, so the image does not depend on the host checkout's
     ownership or umask.
     """
@@ -348,19 +407,31 @@ def write_context(fileobj: IO[bytes], sources: Path, wheels: Iterable[Path]) -> 
         return info
 
     with tarfile.open(fileobj=fileobj, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in ("Dockerfile", "requirements.txt"):
-            tar.add(sources / name, arcname=name, filter=normalize)
+        tar.add(sources / "Dockerfile", arcname="Dockerfile", filter=normalize)
+        if requirements is None:
+            tar.add(sources / "requirements.txt", arcname="requirements.txt", filter=normalize)
+        else:
+            _add_bytes(tar, "requirements.txt", requirements.encode())
         package = sources / "kernelhub_kernel"
         if not package.is_dir():
             raise ImageBuildError(f"the in-kernel package {package} is missing")
         tar.add(package, arcname="kernelhub_kernel", recursive=True, filter=normalize)
-        directory = tarfile.TarInfo("wheels")
-        directory.type = tarfile.DIRTYPE
-        directory.mode = 0o755
-        directory.mtime = _MTIME_FLOOR
-        tar.addfile(directory)
-        for wheel in wheels:
-            tar.add(wheel, arcname=f"wheels/{wheel.name}", filter=normalize)
+        for folder, members in (("wheels", wheels), ("wheelhouse", wheelhouse)):
+            directory = tarfile.TarInfo(folder)
+            directory.type = tarfile.DIRTYPE
+            directory.mode = 0o755
+            directory.mtime = _MTIME_FLOOR
+            tar.addfile(directory)
+            for wheel in members:
+                tar.add(wheel, arcname=f"{folder}/{wheel.name}", filter=normalize)
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o644
+    info.mtime = _MTIME_FLOOR
+    tar.addfile(info, io.BytesIO(data))
 
 
 class BuildLog:

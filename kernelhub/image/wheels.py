@@ -78,9 +78,15 @@ def platform_tags(target: TargetPlatform) -> list[str]:
 
 
 def pip_download_command(
-    requirements: Path, dest: Path, target: TargetPlatform, *, python: str = sys.executable
+    requirements: Path,
+    dest: Path,
+    target: TargetPlatform,
+    *,
+    python: str = sys.executable,
+    deps: bool = False,
 ) -> list[str]:
-    """The ``pip download`` command line fetching exactly the locked wheels for ``target``."""
+    """The ``pip download`` command line fetching exactly the locked wheels for ``target``
+    (``deps``: and their dependencies, for a wheelhouse seeded from a loose list)."""
     argv = [
         python,
         "-m",
@@ -91,7 +97,7 @@ def pip_download_command(
         "--dest",
         str(dest),
         "--only-binary=:all:",
-        "--no-deps",
+        *([] if deps else ["--no-deps"]),
         "--implementation",
         "cp",
         "--python-version",
@@ -200,3 +206,26 @@ def download_wheels(
     if wheels is None:  # pragma: no cover - the rename above just produced it
         raise ImageBuildError(f"wheel cache {directory} is incomplete; delete it and retry")
     return wheels
+
+
+def download_wheelhouse(
+    requirements: Path,
+    dest: Path,
+    target: TargetPlatform,
+    progress: Callable[[str], None],
+    *,
+    python: str = sys.executable,
+) -> list[Path]:
+    """The wheels of ``requirements`` and their dependencies for ``target``, into
+    ``dest`` (kept between builds: pip skips what is there). They seed the image's
+    wheelhouse, so ``pip install`` in a cell finds them with no network at all."""
+    dest.mkdir(parents=True, exist_ok=True)
+    argv = pip_download_command(requirements, dest, target, python=python, deps=True)
+    progress("$ " + " ".join(argv))
+    status, tail = run_streaming(argv, progress)
+    if status != 0:
+        raise ImageBuildError(
+            f"pip download of the wheelhouse requirements {requirements} failed (exit status "
+            f"{status}); pip needs to reach your package index" + format_tail(tail)
+        )
+    return sorted(dest.glob("*.whl"))

@@ -27,6 +27,7 @@ def make_backend(
             runtime=settings.docker.runtime,
             base_url=settings.docker.base_url,
             gateway_id=gateway_id,
+            egress=settings.egress,
         )
     if choice == "local":
         return LocalBackend(

@@ -45,6 +45,9 @@ class SandboxSpec(BaseModel):
     session_id: str = Field(pattern=r"^[a-z0-9]{6,32}$")
     owner: str = "local"
     limits: Limits = Field(default_factory=Limits)
+    runtime: str | None = Field(
+        None, description="the OCI runtime (a trust tier's: runsc); None: the backend's"
+    )
 
     def labels(self, instance: str, gateway: str = "") -> dict[str, str]:
         """Labels every resource made for this sandbox carries; cleanup finds them by these."""
@@ -220,6 +223,11 @@ class SandboxBackend(abc.ABC):
         kernelhub process with the same instance label, or None if it is gone (or this
         backend's sandboxes cannot outlive their creator)."""
         return None
+
+    async def runtimes(self) -> frozenset[str]:
+        """The OCI runtimes a sandbox of this backend may ask for (``SandboxSpec.runtime``:
+        a trust tier's isolation); none by default."""
+        return frozenset()
 
     async def drop_state(self, session_id: str) -> None:  # noqa: B027 - optional
         """Remove the session's state directory (its snapshots and checkpoints): when the

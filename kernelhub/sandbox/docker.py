@@ -23,6 +23,7 @@ import docker
 import docker.errors
 import requests.exceptions
 
+from kernelhub.config import EgressSettings
 from kernelhub.errors import BackendUnavailableError, ImageError, SandboxError
 from kernelhub.image import IPC_DIR, KERNEL_PYTHON, SANDBOX_GID, SANDBOX_UID
 from kernelhub.image.build import check_image
@@ -92,9 +93,11 @@ class DockerBackend(SandboxBackend):
         runtime: str = "runc",
         base_url: str | None = None,
         gateway_id: str = "",
+        egress: EgressSettings | None = None,
     ) -> None:
         """``gateway_id``: the identity of the gateway this backend serves (see
-        ``kernelhub.datadir``); its reaper removes only sandboxes labelled with it."""
+        ``kernelhub.datadir``); its reaper removes only sandboxes labelled with it.
+        ``egress``: give sandboxes the egress proxy's port (the gateway serves it)."""
         try:
             self.client = _client(base_url)
             self.client.ping()
@@ -104,6 +107,7 @@ class DockerBackend(SandboxBackend):
                 "or use KERNELHUB_BACKEND=local"
             ) from exc
         self.image = image
+        self.egress = egress
         self.runtime = runtime
         self.instance = instance
         self.gateway_id = gateway_id
@@ -117,6 +121,8 @@ class DockerBackend(SandboxBackend):
         self._events: Any = None
         self._events_thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._runtimes: dict[str, str] = {}  # session id -> its trust tier's runtime
+        self._known_runtimes: frozenset[str] | None = None
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a blocking docker SDK call on our pool, translating its errors."""
@@ -188,7 +194,19 @@ class DockerBackend(SandboxBackend):
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         await self._ensure_started()
+        # A session's trust tier outlives its sandboxes: the one made for a recovery or a
+        # wake-up (whose spec names no runtime) keeps the runtime its first one had.
+        if spec.runtime is not None:
+            self._runtimes[spec.session_id] = spec.runtime
+        elif spec.session_id in self._runtimes:
+            spec = spec.model_copy(update={"runtime": self._runtimes[spec.session_id]})
         return DockerSandbox(self, spec)
+
+    async def runtimes(self) -> frozenset[str]:
+        if self._known_runtimes is None:
+            info = await self.call(self.client.info)
+            self._known_runtimes = frozenset(info.get("Runtimes") or {}) | {self.runtime}
+        return self._known_runtimes
 
     async def adopt(self, spec: SandboxSpec) -> Sandbox | None:
         await self._ensure_started()
@@ -210,6 +228,9 @@ class DockerBackend(SandboxBackend):
         sandbox = DockerSandbox(self, spec, existing=containers[0])
         self._exits[containers[0].id] = sandbox._exit
         await self.call(containers[0].reload)
+        runtime = (containers[0].attrs.get("HostConfig") or {}).get("Runtime")
+        if runtime and runtime != self.runtime:
+            self._runtimes[spec.session_id] = runtime
         if containers[0].status != "running":
             await sandbox.remove()
             return None
@@ -303,12 +324,13 @@ class DockerSandbox(Sandbox):
         config = container_config(
             self.spec,
             image=b.image,
-            runtime=b.runtime,
+            runtime=self.spec.runtime or b.runtime,
             session_dir=self.session_dir,
             instance=b.instance,
             seccomp_profile=b._seccomp,
             state_dir=self.state_dir if self._state_on_host else None,
             gateway=b.gateway_id,
+            egress=b.egress,
         )
         if not _is_root():
             config["user"] = f"{_euid()}:{_egid()}"

@@ -12,12 +12,16 @@ from typing import Any
 
 from docker.types import LogConfig, Mount, Ulimit
 
+from kernelhub.config import EgressSettings
 from kernelhub.image import (
     CONNECTION_FILE,
+    EGRESS_CA,
     IPC_DIR,
     KERNEL_PYTHON,
     SANDBOX_GID,
     SANDBOX_UID,
+    TRUST_BUNDLE,
+    WHEELHOUSE,
     WORKSPACE,
 )
 from kernelhub.kernel.connection import SessionDir
@@ -38,6 +42,7 @@ def container_config(
     seccomp_profile: str,
     state_dir: Path | None = None,
     gateway: str = "",
+    egress: EgressSettings | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``docker.from_env().containers.create``.
 
@@ -45,7 +50,8 @@ def container_config(
     lets code create AF_VSOCK sockets and use io_uring before Docker 25). ``state_dir``:
     the host's capped state directory; None where the host cannot mount one (a gateway in
     a container without CAP_SYS_ADMIN): then a tmpfs of Docker's, as capped, that dies with
-    the container (crash recovery then has no checkpoints to restore from).
+    the container (crash recovery then has no checkpoints to restore from). ``egress``:
+    the proxy's settings when the gateway serves it (see :func:`egress_config`).
     """
     limits = spec.limits
     tmpfs_opts = f"rw,nosuid,nodev,uid={SANDBOX_UID},gid={SANDBOX_GID},mode=0700"
@@ -55,6 +61,7 @@ def container_config(
     }
     if state_dir is None:
         tmpfs[STATE_PATH] = f"{tmpfs_opts},noexec,size={limits.tmp_bytes}"
+    egress_env, egress_mounts = egress_config(egress)
     return {
         "image": image,
         # -S: the supervisor needs only the stdlib; skipping site saves start-up time.
@@ -68,8 +75,9 @@ def container_config(
         ],
         "labels": spec.labels(instance, gateway),
         "hostname": "sandbox",
-        # Never the HMAC key: the environment is visible in `docker inspect`.
-        "environment": {"KERNELHUB_SESSION": spec.session_id},
+        # Never the HMAC key (nor any egress credential): the environment is visible in
+        # `docker inspect`.
+        "environment": {"KERNELHUB_SESSION": spec.session_id, **egress_env},
         "user": f"{SANDBOX_UID}:{SANDBOX_GID}",
         "working_dir": WORKSPACE,
         # No network at all: not even a bridge; only the loopback interface exists.
@@ -99,6 +107,7 @@ def container_config(
                 type="bind",
                 read_only=True,
             ),
+            *egress_mounts,
             # Snapshots and checkpoints: outlives this container (see sandbox/state.py).
             *(
                 [Mount(target=STATE_PATH, source=str(state_dir), type="bind")]
@@ -116,3 +125,36 @@ def container_config(
         "oom_score_adj": 500,  # under host memory pressure, sandboxes die before the host
         "detach": True,
     }
+
+
+def egress_config(egress: EgressSettings | None) -> tuple[dict[str, str], list[Mount]]:
+    """The environment and read-only mounts that give a sandbox the egress proxy.
+
+    Still no network: ``HTTP_PROXY``/``HTTPS_PROXY`` name a loopback port that the
+    sandbox's supervisor forwards to the gateway's Unix socket in the socket directory.
+    The operator's CA (for the domains the proxy adds credentials to) and wheelhouse are
+    mounted read-only; no secret is ever part of either."""
+    if egress is None or not egress.enabled:
+        return {}, []
+    proxy = f"http://127.0.0.1:{egress.port}"
+    env = {
+        "KERNELHUB_EGRESS_PORT": str(egress.port),
+        **{name: proxy for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")},
+        # The sandbox's own loopback servers are not the internet.
+        "NO_PROXY": "localhost,127.0.0.1,::1",
+        "no_proxy": "localhost,127.0.0.1,::1",
+    }
+    mounts = []
+    if egress.ca_cert_file is not None:
+        mounts.append(
+            Mount(target=EGRESS_CA, source=str(egress.ca_cert_file), type="bind", read_only=True)
+        )
+        for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT"):
+            env[name] = TRUST_BUNDLE
+    if egress.wheelhouse is not None:
+        mounts.append(
+            Mount(target=WHEELHOUSE, source=str(egress.wheelhouse), type="bind", read_only=True)
+        )
+    if egress.index_url is not None:
+        env["UV_INDEX_URL"] = egress.index_url
+    return env, mounts

@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from kernelhub.config import Limits, Settings
+from kernelhub.egress.sessions import EgressSessions
 from kernelhub.errors import (
     InvalidRequestError,
     KernelhubError,
@@ -36,6 +37,7 @@ from kernelhub.errors import (
 )
 from kernelhub.execution.engine import KernelSession
 from kernelhub.models import Event, ExecutionStatus
+from kernelhub.profiles import check_profiles, choose_profile, resolve_limits, runtime_for
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.continuity import Continuity
 from kernelhub.session.live import LiveSession, held, session_info
@@ -137,6 +139,13 @@ class SessionManager:
         self.hibernate, self.snapshots = cont.hibernate, cont.snapshots
         self.get_snapshot, self.delete_snapshot = cont.get_snapshot, cont.delete_snapshot
         self.when_stored, self.settled = rec.when_stored, rec.settled
+        check_profiles(settings.profiles, settings.egress)
+        # The egress proxy reaches Docker sandboxes only (their supervisor forwards it).
+        self.egress = (
+            EgressSessions(settings.egress, settings.data_dir, store.audit)
+            if settings.egress.enabled and backend.name == "docker"
+            else None
+        )
 
     # -- start-up and shutdown ---------------------------------------------------------
 
@@ -218,6 +227,8 @@ class SessionManager:
             task.cancel()
         self.recorder.close()
         await self.pool.close()
+        if self.egress is not None:
+            await self.egress.close()
         for live in self.sessions.values():
             if live.kernel is not None:
                 await live.kernel.detach()
@@ -234,38 +245,26 @@ class SessionManager:
             warm=warm,
         )
 
-    def resolve_limits(self, requested: LimitsIn) -> Limits:
-        """The limits a session gets: the defaults, with what was asked for within the
-        operator's maximum (``InvalidRequestError`` names the one above it)."""
-        base = self.settings.limits
-        cap = self.settings.gateway.max_limits
-        values = base.model_dump()
-        asked = {
-            "memory_bytes": requested.memory_bytes,
-            "cpus": requested.cpus,
-            "pids": requested.pids,
-            "workspace_bytes": requested.disk_bytes,
-            "cell_timeout": requested.cell_timeout,
-            "output_bytes": requested.output_bytes,
-            "output_events": requested.output_events,
-        }
-        for name, value in asked.items():
-            if value is None:
-                continue
-            most = getattr(cap, name)
-            if most is not None and value > most:
-                wire_name = "disk_bytes" if name == "workspace_bytes" else name
-                raise InvalidRequestError(
-                    f"limits.{wire_name}={value} is above the maximum {most}; ask for less"
-                )
-            values[name] = value
-        return Limits(**values)
+    def resolve_limits(self, requested: LimitsIn, tier: Limits | None = None) -> Limits:
+        """The limits a session gets (see ``profiles.resolve_limits``)."""
+        return resolve_limits(self.settings, requested, tier)
 
     async def create(
         self, principal: Principal, body: SessionCreate, client: str | None = None
     ) -> SessionInfo:
-        limits = self.resolve_limits(body.limits)
+        tier = choose_profile(
+            self.settings.profiles, principal.token or principal.name, body.profile
+        )
+        runtime = runtime_for(tier, self.backend.name, await self.backend.runtimes())
+        limits = self.resolve_limits(body.limits, tier.profile.limits if tier else None)
         self.storage.check(principal.name)
+        egress_policy = (
+            self.egress.choose(
+                principal.name, body.egress, fixed=tier.profile.egress if tier else None
+            )
+            if self.egress
+            else None
+        )
         alive = self._alive()
         g = self.settings.gateway
         if len(alive) >= g.max_sessions:
@@ -304,7 +303,7 @@ class SessionManager:
                 "store less"
             )
         t0 = time.monotonic()
-        warm = self.pool.take(limits)
+        warm = self.pool.take(limits) if runtime is None else None
         stored = StoredSession(
             id=warm.id if warm else uuid.uuid4().hex[:16],
             owner=principal.name,
@@ -323,6 +322,8 @@ class SessionManager:
                 self.pool.discard(warm)
             raise
         live = self._live(stored, limits, warm=warm is not None)
+        if self.egress is not None:
+            self.egress.remember(stored.id, egress_policy)
         live.checkpoint_policy = (
             body.checkpoints if isinstance(body.checkpoints, str) else float(body.checkpoints)
         )
@@ -334,7 +335,9 @@ class SessionManager:
                 await self._make_room(limits)
                 kernel = await KernelSession.start(
                     self.backend,
-                    SandboxSpec(session_id=stored.id, owner=principal.name, limits=limits),
+                    SandboxSpec(
+                        session_id=stored.id, owner=principal.name, limits=limits, runtime=runtime
+                    ),
                     engine=self.settings.engine,
                 )
         except KernelhubError as exc:
@@ -411,6 +414,8 @@ class SessionManager:
         kernel.after_cell = lambda handle: self.continuity.checkpoint(live, kernel, handle)
         kernel.add_listener(partial(self.recorder.event, live))
         self._spawn(self._watch(live, kernel))
+        if self.egress is not None:
+            self._spawn(self.egress.bind(live.id, live.stored.owner, kernel))
 
     async def _watch(self, live: LiveSession, kernel: KernelSession) -> None:
         info = await kernel.wait_exit()
@@ -440,6 +445,8 @@ class SessionManager:
             return  # declared already (a recovered kernel that died while restoring)
         starting = live.phase in (SessionState.STARTING, SessionState.RECOVERING)
         live.move(Transition.FAILED if starting else Transition.DIED)
+        if self.egress is not None:
+            await self.egress.unbind(live.id)
         live.reason = reason
         self.pool.poke()
         await self.recorder.phase(live, reason=reason)
@@ -520,6 +527,8 @@ class SessionManager:
         else:
             if live.phase != SessionState.DELETED:  # not already on its way out
                 live.move(Transition.DELETE)
+            if self.egress is not None:
+                await self.egress.unbind(live.id)
             if live.kernel is not None:
                 await live.kernel.close()
             if live.hibernation is not None:

@@ -632,12 +632,31 @@ def test_build_context_holds_the_sources_and_wheels_owned_by_root(tmp_path: Path
         "kernelhub_kernel/__init__.py",
         "kernelhub_kernel/supervisor.py",
         "requirements.txt",
+        "wheelhouse",
         "wheels",
         "wheels/dill-0.4.1-py3-none-any.whl",
     ]
     assert all(m.uid == 0 and m.gid == 0 for m in members.values())
     assert stat.S_IMODE(members["kernelhub_kernel/supervisor.py"].mode) == 0o644
     assert stat.S_IMODE(members["wheels"].mode) == 0o755
+
+
+def test_build_context_takes_a_profile_lock_and_a_wheelhouse(tmp_path: Path) -> None:
+    sources = tmp_path / "kernel-image"
+    (sources / "kernelhub_kernel").mkdir(parents=True)
+    (sources / "Dockerfile").write_text("FROM scratch\n")
+    (sources / "requirements.txt").write_text("dill==0.4.1\n")
+    seeded = tmp_path / "six-1.17.0-py2.py3-none-any.whl"
+    seeded.write_bytes(b"PK")
+
+    buffer = io.BytesIO()
+    write_context(buffer, sources, [], [seeded], requirements="dill==0.4.1\nscipy==1.0\n")
+    buffer.seek(0)
+    with tarfile.open(fileobj=buffer) as tar:
+        names = sorted(tar.getnames())
+        lock = tar.extractfile("requirements.txt")
+        assert lock is not None and lock.read() == b"dill==0.4.1\nscipy==1.0\n"
+    assert "wheelhouse/six-1.17.0-py2.py3-none-any.whl" in names
 
 
 def test_the_real_kernel_image_sources_are_found() -> None:
@@ -729,3 +748,35 @@ def test_requirements_are_a_complete_exact_lock() -> None:
     assert roots <= set(names)
     # ipykernel 7 requires debugpy, so the lock keeps it.
     assert "debugpy" in names
+
+
+def test_profile_locks_add_to_the_slim_lock_and_refuse_loose_or_double_pins(
+    tmp_path: Path,
+) -> None:
+    from kernelhub.image.build import profile_lock
+
+    (tmp_path / "requirements.txt").write_text("# slim\nnumpy==2.4.6\n")
+    (tmp_path / "requirements-data-science.txt").write_text("scipy==1.17.1\n")
+    assert profile_lock(tmp_path, "slim") == "numpy==2.4.6\n"
+    assert profile_lock(tmp_path, "data-science") == "numpy==2.4.6\nscipy==1.17.1\n"
+    mine = tmp_path / "mine.txt"
+    mine.write_text("tabulate==0.10.0\n")
+    assert "tabulate==0.10.0" in profile_lock(tmp_path, "slim", mine)
+    mine.write_text("tabulate\n")
+    with pytest.raises(ImageBuildError, match="not pinned"):
+        profile_lock(tmp_path, "slim", mine)
+    mine.write_text("numpy==1.0\n")
+    with pytest.raises(ImageBuildError, match="twice"):
+        profile_lock(tmp_path, "slim", mine)
+    with pytest.raises(ImageBuildError, match="unknown image profile"):
+        profile_lock(tmp_path, "huge")
+
+
+def test_the_shipped_data_science_lock_adds_the_analysis_stack_without_repinning() -> None:
+    from kernelhub.image.build import kernel_image_dir, profile_lock
+
+    lock = profile_lock(kernel_image_dir(), "data-science")
+    names = {line.split("==")[0] for line in lock.split()}
+    wanted = {"scipy", "scikit-learn", "seaborn", "statsmodels", "pyarrow", "openpyxl",
+              "polars", "duckdb", "requests", "numpy", "pandas", "matplotlib"}  # fmt: skip
+    assert wanted <= names

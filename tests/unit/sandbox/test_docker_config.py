@@ -111,3 +111,38 @@ def test_without_a_host_state_dir_the_state_is_a_capped_tmpfs_of_its_own(tmp_pat
         str(tmp_path / "s2.state")
     ]
     assert with_dir["labels"]["org.kernelhub.gateway"] == "0123456789abcdef"
+
+
+def test_egress_is_a_loopback_proxy_port_never_a_network_and_never_a_secret(
+    tmp_path: Path,
+) -> None:
+    from pydantic import SecretStr
+
+    from kernelhub.config import EgressPolicy, EgressSettings
+    from kernelhub.sandbox.docker_config import egress_config
+
+    assert egress_config(None) == ({}, [])
+    assert egress_config(EgressSettings(enabled=False)) == ({}, [])
+    ca = tmp_path / "ca.pem"
+    settings = EgressSettings(
+        port=3128,
+        ca_cert_file=ca,
+        ca_key_file=tmp_path / "ca.key",
+        wheelhouse=tmp_path,
+        policies={"p": EgressPolicy(headers={"a.example.com": {"K": SecretStr("s3cret")}})},
+    )
+    env, mounts = egress_config(settings)
+    assert env["HTTPS_PROXY"] == env["http_proxy"] == "http://127.0.0.1:3128"
+    assert env["KERNELHUB_EGRESS_PORT"] == "3128"
+    assert "s3cret" not in repr(env) + repr(mounts)
+    assert all(m["ReadOnly"] for m in mounts)
+    assert {m["Source"] for m in mounts} == {str(ca), str(tmp_path)}  # never the CA key
+    spec = SandboxSpec(session_id="abc123def456", owner="alice")
+    sdir = SessionDir.create(
+        tmp_path / "s", sandbox_uid=os.geteuid(), sandbox_gid=os.getegid(), labels={}
+    )
+    c = container_config(
+        spec, image="i", runtime="runc", session_dir=sdir, instance="ci",
+        seccomp_profile="{}", egress=settings,
+    )  # fmt: skip
+    assert c["network_mode"] == "none" and c["environment"]["HTTP_PROXY"].startswith("http://127.")
