@@ -161,11 +161,16 @@ class SessionManager(Continuity):
         """Re-adopt sandboxes a previous process left running; report the rest dead;
         remove orphans."""
         for stored in await self.store.list_sessions():
-            if stored.state in (SessionState.DEAD, SessionState.DELETED):
+            if stored.state == SessionState.DELETED or stored.deleted_at is not None:
                 continue
             limits = Limits(**stored.limits)
             live = LiveSession(stored=stored, limits=limits, fanout=self._fanout(stored.id))
             self.sessions[stored.id] = live
+            if stored.state == SessionState.DEAD:
+                # Held without a sandbox, as one that dies while we run: it counts against
+                # its owner's sessions until deleted, whichever process saw it die.
+                live.state, live.reason = SessionState.DEAD, stored.reason
+                continue
             if stored.state == SessionState.HIBERNATED and (stored.reason or "").startswith(
                 "hibernation:"
             ):
@@ -643,6 +648,8 @@ class SessionManager(Continuity):
             # It died before this process started: only its state directory may be left.
             await self.backend.drop_state(session_id)
         else:
+            if live.state == SessionState.DEAD and live.kernel is None:
+                await self.backend.drop_state(session_id)  # dead before this process began
             live.state = SessionState.DELETED
             if live.kernel is not None:
                 await live.kernel.close()
