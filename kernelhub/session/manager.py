@@ -144,7 +144,9 @@ class SessionManager(Continuity):
         # New rows not committed yet, with what to do once they are (see when_stored).
         self._storing: dict[str, list[Callable[[], None]]] = {}
         self.blobs = BlobStore(settings.data_dir)
-        self.storage = StorageGuard(settings.storage, store.ledger, settings.data_dir)
+        self.storage = StorageGuard(
+            settings.storage, store.ledger, settings.data_dir, in_flight=self._in_flight_bytes
+        )
         self.retention = RetentionSweeper(store, self.blobs, settings.storage, self._purged)
         self._tasks: set[asyncio.Task[None]] = set()
         budget = settings.gateway.memory_budget_bytes
@@ -210,6 +212,16 @@ class SessionManager(Continuity):
         self.pool.start()  # after the reap, which would take its sandboxes for orphans
         self._spawn(self._hibernate_idle())
         self._spawn(self.retention.run())
+
+    def _in_flight_bytes(self, owner: str) -> int:
+        """What ``owner``'s running and queued cells may still store: each its output cap."""
+        total = 0
+        for live in self.sessions.values():
+            kernel = live.kernel
+            if kernel is not None and live.stored.owner == owner:
+                cells = kernel.queue_length + (kernel.running is not None)
+                total += cells * live.limits.output_bytes
+        return total
 
     async def _finish_orphaned_executions(
         self, live: LiveSession, last_seq: int, lost: str | None
