@@ -27,6 +27,7 @@ def make_backend(
             runtime=settings.docker.runtime,
             base_url=settings.docker.base_url,
             gateway_id=gateway_id,
+            run_dir_max_bytes=settings.docker.run_dir_max_bytes,
         )
     if choice == "local":
         return LocalBackend(

@@ -23,7 +23,7 @@ import docker
 import docker.errors
 import requests.exceptions
 
-from kernelhub.errors import BackendUnavailableError, ImageError, SandboxError
+from kernelhub.errors import BackendUnavailableError, ConfigError, ImageError, SandboxError
 from kernelhub.image import IPC_DIR, KERNEL_PYTHON, SANDBOX_GID, SANDBOX_UID
 from kernelhub.image.build import check_image
 from kernelhub.kernel.connection import SOCKET_PREFIX, SessionDir
@@ -48,7 +48,7 @@ from kernelhub.sandbox.files import (
     file_error,
     pump_upload,
 )
-from kernelhub.sandbox.hostdirs import mount_tmpfs
+from kernelhub.sandbox.hostdirs import can_mount_tmpfs, mount_tmpfs, uncapped_run_dir
 from kernelhub.sandbox.seccomp import profile_json
 from kernelhub.sandbox.state import drop_state_dir, ensure_state_dir, state_dir
 
@@ -92,9 +92,12 @@ class DockerBackend(SandboxBackend):
         runtime: str = "runc",
         base_url: str | None = None,
         gateway_id: str = "",
+        run_dir_max_bytes: int | None = None,
     ) -> None:
         """``gateway_id``: the identity of the gateway this backend serves (see
-        ``kernelhub.datadir``); its reaper removes only sandboxes labelled with it."""
+        ``kernelhub.datadir``); its reaper removes only sandboxes labelled with it.
+        ``run_dir_max_bytes``: see :meth:`check_host`."""
+        self.run_dir_max_bytes = run_dir_max_bytes
         try:
             self.client = _client(base_url)
             self.client.ping()
@@ -117,6 +120,23 @@ class DockerBackend(SandboxBackend):
         self._events: Any = None
         self._events_thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def check_host(self) -> None:
+        """Refuse a run directory sandboxes could fill: where socket directories cannot
+        be capped tmpfs mounts of their own, its filesystem must be small
+        (KERNELHUB_DOCKER__RUN_DIR_MAX_BYTES)."""
+        if self.run_dir_max_bytes is None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        st = os.statvfs(self.run_dir)
+        problem = uncapped_run_dir(
+            self.run_dir,
+            can_mount=can_mount_tmpfs(self.run_dir),
+            filesystem_bytes=st.f_blocks * st.f_frsize,
+            max_bytes=self.run_dir_max_bytes,
+        )
+        if problem is not None:
+            raise ConfigError(problem)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a blocking docker SDK call on our pool, translating its errors."""
