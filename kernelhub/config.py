@@ -140,9 +140,11 @@ class GatewaySettings(BaseModel):
         30.0, gt=0, description="seconds one frame may wait on a client that stopped reading"
     )
     stream_buffer_bytes: int = Field(
-        8 * MiB,
+        MiB,
         ge=64 * 1024,
-        description="per WebSocket client; a client further behind is cut off",
+        description="per WebSocket client: one further behind catches up from the store "
+        "(as fast as it reads), and one that takes nothing for stream_stall_timeout with "
+        "more than this unsent is cut. Jupyter channels (no replay) keep at least 8 MiB",
     )
     coalesce_window: float = Field(
         0.02,
