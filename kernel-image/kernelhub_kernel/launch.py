@@ -50,18 +50,19 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     # Imported after the environment is settled: IPython reads some of it at import.
     from ipykernel.kernelapp import IPKernelApp
-    from ipykernel.zmqshell import ZMQDisplayPublisher
     from traitlets.config import Config
 
     from jupyter_client.session import Session
 
     patches.bound_messages(Session)
-    patches.coalesce_clear_output(Session, ZMQDisplayPublisher)
     patches.never_drop_output(IPKernelApp)
     config = Config()
     patches.stream_output_live(config, flush_interval)
     patches.disable_history(config)
     patches.plain_tracebacks(config)
+    from ipykernel.zmqshell import ZMQDisplayPublisher
+
+    patches.coalesce_clear_output(Session, ZMQDisplayPublisher)
     # What IPKernelApp.launch_instance() does, with our hooks between init and start.
     app = IPKernelApp.instance(config=config)
     app.initialize(None if argv is None else list(argv))
