@@ -421,7 +421,7 @@ def test_a_request_waits_for_the_first_iopub_subscriber(gw: Gateway, specs: str)
     # the shell can be answered before iopub is subscribed; an execute then publishes its
     # busy/idle to nobody and the console waits for an idle forever. Here the shell is
     # connected first on purpose and iopub only after the request was sent.
-    km = KernelManager(kernel_name="kernelhub-attach")
+    km = KernelManager(kernel_name="kernelhub")  # a session of its own
     km.start_kernel()
     kc = km.blocking_client()
     kc.start_channels(iopub=False, stdin=False)
