@@ -233,7 +233,7 @@ def render(outcomes: list[Outcome], machine: list[tuple[str, str]], failures: in
     return "\n".join(lines)
 
 
-async def main(out_path: Path | None) -> str:
+async def main(out_path: Path | None, only: str | None = None) -> str:
     import docker
 
     client = docker.from_env()
@@ -267,6 +267,8 @@ async def main(out_path: Path | None) -> str:
                 outcomes = []
                 try:
                     for name, code in ATTACKS:
+                        if only is not None and only not in name:
+                            continue
                         outcome = await attack(gw, attacker, attacker_token, neighbour, name, code)
                         print(
                             f"{name}: p99 {quantile(outcome.latencies or [0], 0.99) * 1000:.0f} ms,"
@@ -298,5 +300,6 @@ def _remove_sandboxes(instance: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the Markdown here")
+    parser.add_argument("--only", default=None, help="run the attacks whose name has this")
     args = parser.parse_args()
-    print(asyncio.run(main(args.out)))
+    print(asyncio.run(main(args.out, args.only)))

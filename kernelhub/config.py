@@ -60,6 +60,15 @@ class DockerSettings(BaseModel):
     image: str = f"kernelhub/kernel:p{KERNEL_PROTOCOL_VERSION}"
     runtime: str = Field("runc", description="OCI runtime: runc, or runsc for gVisor")
     base_url: str | None = Field(None, description="Docker Engine address; None = environment")
+    run_dir_max_bytes: int | None = Field(
+        256 * MiB,
+        ge=0,
+        description="where the gateway may not mount a capped tmpfs per session (not root, "
+        "or a container without CAP_SYS_ADMIN, as under compose), the largest filesystem "
+        "KERNELHUB_RUN_DIR may be on: sandboxes can write into their socket directories "
+        "there, so on a larger one (the host's /run, a disk) serve refuses to start. Mount "
+        "a small tmpfs on it instead; None starts anyway",
+    )
 
 
 class LocalSettings(BaseModel):
@@ -131,9 +140,11 @@ class GatewaySettings(BaseModel):
         30.0, gt=0, description="seconds one frame may wait on a client that stopped reading"
     )
     stream_buffer_bytes: int = Field(
-        8 * MiB,
+        MiB,
         ge=64 * 1024,
-        description="per WebSocket client; a client further behind is cut off",
+        description="per WebSocket client: one further behind catches up from the store "
+        "(as fast as it reads), and one that takes nothing for stream_stall_timeout with "
+        "more than this unsent is cut. Jupyter channels (no replay) keep at least 8 MiB",
     )
     coalesce_window: float = Field(
         0.02,

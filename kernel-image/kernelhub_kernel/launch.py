@@ -61,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     patches.stream_output_live(config, flush_interval)
     patches.disable_history(config)
     patches.plain_tracebacks(config)
+    from ipykernel.zmqshell import ZMQDisplayPublisher
+
+    patches.coalesce_clear_output(Session, ZMQDisplayPublisher)
     # What IPKernelApp.launch_instance() does, with our hooks between init and start.
     app = IPKernelApp.instance(config=config)
     app.initialize(None if argv is None else list(argv))

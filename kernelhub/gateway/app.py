@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kernelhub import __version__
 from kernelhub.config import Settings
 from kernelhub.datadir import DataDirLock
-from kernelhub.errors import ForbiddenError
+from kernelhub.errors import ForbiddenError, KernelhubError
 from kernelhub.gateway import (
     e2b,
     errors,
@@ -110,6 +110,12 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
         backend = make_backend(
             settings, instance=settings.gateway.instance, gateway_id=lock.gateway_id
         )
+        try:
+            backend.check_host()
+        except KernelhubError:
+            await backend.close()
+            await store.close()
+            raise
         metrics = Metrics()
         manager = SessionManager(
             settings, backend, store, Observer(on_start=metrics.on_start, on_final=metrics.on_final)

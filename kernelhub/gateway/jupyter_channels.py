@@ -37,6 +37,7 @@ from kernelhub.wire import ExecutionCreate, SessionState
 log = logging.getLogger(__name__)
 router = APIRouter()
 _MAX_FRAME_BYTES = 2_000_000
+_MIN_BUFFER_BYTES = 8 * 1024 * 1024
 # Completion and inspection run in the kernel as kernelhub's own silent calls.
 _CALL_TIMEOUT = 5.0
 # As ipykernel completes: IPython's (provisional) completions API on the whole cell.
@@ -133,7 +134,9 @@ class Connection:
         task.add_done_callback(self._tasks.discard)
 
     async def run(self) -> None:
-        budget = self.manager.settings.gateway.stream_buffer_bytes
+        # A Jupyter client has no replay: a budget below the largest message (8 MiB)
+        # would drop every large plot for it.
+        budget = max(self.manager.settings.gateway.stream_buffer_bytes, _MIN_BUFFER_BYTES)
         sub = self.live.fanout.subscribe(budget)
         pump = asyncio.create_task(self._pump(sub))
         try:

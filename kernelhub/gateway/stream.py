@@ -32,6 +32,7 @@ from kernelhub.gateway.ws_protocol import (
     RECEIVE_TEXT_NOW,
     SEND_FRAME_NOW,
     SEND_TEXT_NOW,
+    WAIT_WRITABLE,
 )
 from kernelhub.models import QUIET_EVENT_TYPES
 from kernelhub.replay import Replay, Verdict
@@ -62,7 +63,8 @@ from kernelhub.wire import (
 log = logging.getLogger(__name__)
 router = APIRouter()
 _CLIENT_FRAME: TypeAdapter[ClientFrame] = TypeAdapter(ClientFrame)
-_REPLAY_PAGE = 500
+_REPLAY_PAGE = 500  # events, at most
+_FIRST_PAGE = 8  # then sized by replay_page
 _MAX_FRAME_CHARS = 2_000_000
 
 
@@ -77,6 +79,7 @@ class _Sender:
         self.now = extensions.get(SEND_TEXT_NOW)
         self.frame_now = extensions.get(SEND_FRAME_NOW)
         self.flush_now = extensions.get(FLUSH_NOW)
+        self.wait_writable = extensions.get(WAIT_WRITABLE)
         self.waiting = 0  # frames on their way through ASGI (queued on the lock included)
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -253,12 +256,21 @@ async def _send_events(
     stall = manager.settings.gateway.stream_stall_timeout
     window = manager.settings.gateway.coalesce_window
     replay = Replay(since)  # what was sent, and whether the store or the fan-out is next
+    budget = sub.budget
     quiet = False  # the newest event sent directly may wait for company (QUIET_EVENT_TYPES)
 
     async def send(text: str) -> None:
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for costs a task per frame.
         async with asyncio.timeout(stall):
             await sender.send(text)
+
+    async def drained() -> None:
+        # Before a page from the store (and pages sized by replay_page): a client that
+        # reads nothing would otherwise hold a page (up to 500 events) of its own copies
+        # while its first frame waits; 20 such clients of one 30 MB print held ~200 MiB.
+        if sender.wait_writable is not None:
+            async with asyncio.timeout(stall):
+                await sender.wait_writable()
 
     def deliver(item: Published) -> bool:
         nonlocal quiet
@@ -287,11 +299,16 @@ async def _send_events(
         last_seq = live.kernel.last_seq if live.kernel else await manager.store.last_seq(live.id)
         await send(HelloFrame(session_id=live.id, last_seq=last_seq).model_dump_json())
         while True:
+            count = _FIRST_PAGE
             while replay.replaying:
-                page = await manager.store.events_since(live.id, replay.last, _REPLAY_PAGE)
+                await drained()
+                page = await manager.store.events_since(live.id, replay.last, count)
                 for seq, body in replay.page(page):
+                    await drained()
                     await send(_event_frame(body))
                     replay.delivered(seq)
+                if page:
+                    count = replay_page(count, sum(len(b) for _, b in page), budget)
             sub.direct = deliver if sender.now is not None else None
             sub.batch_end = batch_end if sender.flush_now is not None else None
             while (item := await sub.get()) is not None:
@@ -314,6 +331,17 @@ async def _send_events(
         return CloseCode.TOO_SLOW, f"client stopped reading; reconnect with since={replay.last}"
     finally:
         sub.direct = sub.batch_end = None
+
+
+def replay_page(count: int, page_bytes: int, budget: int) -> int:
+    """How many events to read next from the store for a client catching up: about
+    ``budget`` bytes' worth, judged by the page just sent (``count`` events,
+    ``page_bytes``), at most ``_REPLAY_PAGE``. The socket looks writable until the kernel's
+    buffer for it is full (megabytes on loopback), so a client that reads nothing still
+    gets a page: this keeps that page near its buffer, not 500 large events."""
+    if page_bytes <= 0:
+        return _REPLAY_PAGE
+    return max(1, min(_REPLAY_PAGE, count * budget // page_bytes))
 
 
 async def _receive(

@@ -57,6 +57,7 @@ SEND_TEXT_NOW = "kernelhub.websocket.send_text_now"
 SEND_FRAME_NOW = "kernelhub.websocket.send_frame_now"
 FLUSH_NOW = "kernelhub.websocket.flush_now"
 RECEIVE_TEXT_NOW = "kernelhub.websocket.receive_text_now"
+WAIT_WRITABLE = "kernelhub.websocket.wait_writable"
 # Beyond this many bytes unsent, send_text_now declines. uvicorn's flow control pauses
 # only once the socket's own buffer is full, at the end of a turn; within a turn a burst
 # of events would otherwise pile up here without bound.
@@ -192,9 +193,13 @@ class _TurnBufferedTransport:
 
     def _check(self) -> None:
         self._watch = None
-        if self._transport.is_closing() or self._stall_timeout is None:
+        if self._stall_timeout is None:
             return
-        self.feed()  # in case no resume_writing came (a transport without flow control)
+        # A closed transport still holds what it has not sent, until the client reads it:
+        # closing is not the end of the watch (a stream that gave up on its client closes
+        # it, and the close frame waits behind the rest).
+        if not self._transport.is_closing():
+            self.feed()  # in case no resume_writing came (a transport without flow control)
         unsent = self.get_write_buffer_size()
         if unsent == 0:
             return  # all taken: the next write re-arms
@@ -290,6 +295,22 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
             scope["extensions"][SEND_FRAME_NOW] = self.send_frame_now
             scope["extensions"][FLUSH_NOW] = self.flush_now
             scope["extensions"][RECEIVE_TEXT_NOW] = self.receive_text_now
+            scope["extensions"][WAIT_WRITABLE] = self.wait_writable
+
+    async def wait_writable(self) -> None:
+        """Return once the client has taken what was sent (the socket drained, the
+        backlog fed): what ASGI's send waits for, without a frame in hand. A sender that
+        would read more from elsewhere (the store) first waits here, so a client that
+        reads nothing makes the gateway hold nothing more for it."""
+        transport = self.transport
+        if (
+            isinstance(transport, _TurnBufferedTransport)
+            and transport.get_write_buffer_size() > NOW_LIMIT_BYTES
+        ):
+            # Written this turn, not yet handed to the socket: its flow control has not
+            # seen it, so writable would still say yes. Hand it over now.
+            transport.flush()
+        await self.writable.wait()
 
     def send_text_now(self, text: str) -> bool:
         """Send ``text`` as one text frame now, exactly as ASGI's ``websocket.send`` would,

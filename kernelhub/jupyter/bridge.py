@@ -34,6 +34,12 @@ from jupyter_client.session import Session
 
 log = logging.getLogger("kernelhub.jupyter.bridge")
 _ROUTED = ("shell", "control", "stdin")
+# A client's iopub SUB and its shell DEALER connect to us independently (each retries
+# every 100 ms until we are bound), so a request can arrive before its sender listens on
+# iopub: its busy/idle would be published to nobody, and jupyter console waits for that
+# idle forever (#21). Requests wait for the first subscriber, at most this long (a client
+# that never subscribes is served after it, once).
+IOPUB_WAIT = 10.0
 
 
 def ws_url(gateway_url: str, kernel_id: str) -> str:
@@ -57,6 +63,7 @@ class Bridge:
         # msg_id of a request -> the ZeroMQ identities of the client that sent it
         self.senders: dict[str, list[bytes]] = {}
         self.done = asyncio.Event()
+        self.listened = asyncio.Event()  # iopub has had a subscriber (or we stopped waiting)
 
     def _address(self, port_name: str) -> str:
         c = self.connection
@@ -69,12 +76,16 @@ class Bridge:
             "shell": zmq.ROUTER,
             "control": zmq.ROUTER,
             "stdin": zmq.ROUTER,
-            "iopub": zmq.PUB,
+            "iopub": zmq.XPUB,
             "hb": zmq.REP,
         }
         for name, kind in kinds.items():
             sock = self.ctx.socket(kind)
             sock.linger = 0
+            if kind == zmq.XPUB:
+                sock.setsockopt(
+                    zmq.XPUB_VERBOSE, 1
+                )  # every subscriber's subscription, not new topics
             sock.bind(self._address(f"{name}_port"))
             self.sockets[name] = sock
 
@@ -86,6 +97,7 @@ class Bridge:
         ) as ws:
             tasks = [asyncio.create_task(self._from_clients(ws, name)) for name in _ROUTED]
             tasks.append(asyncio.create_task(self._heartbeat()))
+            tasks.append(asyncio.create_task(self._subscriptions()))
             tasks.append(asyncio.create_task(self._from_gateway(ws)))
             waiter = asyncio.create_task(self.done.wait())
             await asyncio.wait([waiter, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
@@ -101,6 +113,33 @@ class Bridge:
         while True:
             await sock.send_multipart(await sock.recv_multipart())
 
+    async def _subscriptions(self) -> None:
+        """Greets each iopub subscriber as ipykernel does (an ``iopub_welcome``, JEP 65:
+        a client that sees it knows it will see what follows) and opens the gate for
+        requests at the first."""
+        sock = self.sockets["iopub"]
+        while True:
+            (event, *_) = await sock.recv_multipart()
+            if not event or event[0] != 1:
+                continue  # an unsubscription
+            topic = event[1:]
+            welcome = self.session.msg(
+                "iopub_welcome", {"subscription": topic.decode(errors="replace")}
+            )
+            self.session.send(sock, welcome, ident=topic or None)
+            self.listened.set()
+
+    async def _until_listened(self, channel: str) -> None:
+        if self.listened.is_set():
+            return
+        try:
+            await asyncio.wait_for(self.listened.wait(), IOPUB_WAIT)
+        except TimeoutError:
+            log.warning(
+                "no iopub subscriber after %.0f s; passing %s requests on", IOPUB_WAIT, channel
+            )
+            self.listened.set()
+
     async def _from_clients(self, ws: Any, channel: str) -> None:
         sock = self.sockets[channel]
         while True:
@@ -111,6 +150,7 @@ class Bridge:
             except Exception as exc:  # a bad signature or a malformed message: drop it
                 log.warning("dropped a message on %s: %s", channel, exc)
                 continue
+            await self._until_listened(channel)
             self.senders[msg["header"]["msg_id"]] = list(idents)
             out = {
                 "channel": channel,

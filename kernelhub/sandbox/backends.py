@@ -28,6 +28,7 @@ def make_backend(
             base_url=settings.docker.base_url,
             gateway_id=gateway_id,
             egress=settings.egress,
+            run_dir_max_bytes=settings.docker.run_dir_max_bytes,
         )
     if choice == "local":
         return LocalBackend(

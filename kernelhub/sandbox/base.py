@@ -239,5 +239,10 @@ class SandboxBackend(abc.ABC):
         owns (left by a crashed kernelhub). Only what carries this backend's instance and
         gateway identity: never another gateway's. Returns how many were removed."""
 
+    def check_host(self) -> None:  # noqa: B027 - optional
+        """Called once by ``serve`` before any sandbox starts: raise ``ConfigError`` if
+        this host cannot keep sandboxes inside their bounds (the calling contract of a
+        backend whose host-side resources depend on the deployment)."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook, most backends need it
         """Release the backend's own resources (clients, threads)."""

@@ -24,7 +24,7 @@ import docker.errors
 import requests.exceptions
 
 from kernelhub.config import EgressSettings
-from kernelhub.errors import BackendUnavailableError, ImageError, SandboxError
+from kernelhub.errors import BackendUnavailableError, ConfigError, ImageError, SandboxError
 from kernelhub.image import IPC_DIR, KERNEL_PYTHON, SANDBOX_GID, SANDBOX_UID
 from kernelhub.image.build import check_image
 from kernelhub.kernel.connection import SOCKET_PREFIX, SessionDir
@@ -49,7 +49,7 @@ from kernelhub.sandbox.files import (
     file_error,
     pump_upload,
 )
-from kernelhub.sandbox.hostdirs import mount_tmpfs
+from kernelhub.sandbox.hostdirs import can_mount_tmpfs, mount_tmpfs, uncapped_run_dir
 from kernelhub.sandbox.seccomp import profile_json
 from kernelhub.sandbox.state import drop_state_dir, ensure_state_dir, state_dir
 
@@ -94,10 +94,13 @@ class DockerBackend(SandboxBackend):
         base_url: str | None = None,
         gateway_id: str = "",
         egress: EgressSettings | None = None,
+        run_dir_max_bytes: int | None = None,
     ) -> None:
         """``gateway_id``: the identity of the gateway this backend serves (see
         ``kernelhub.datadir``); its reaper removes only sandboxes labelled with it.
-        ``egress``: give sandboxes the egress proxy's port (the gateway serves it)."""
+        ``egress``: give sandboxes the egress proxy's port (the gateway serves it).
+        ``run_dir_max_bytes``: see :meth:`check_host`."""
+        self.run_dir_max_bytes = run_dir_max_bytes
         try:
             self.client = _client(base_url)
             self.client.ping()
@@ -123,6 +126,23 @@ class DockerBackend(SandboxBackend):
         self._tasks: set[asyncio.Task[None]] = set()
         self._runtimes: dict[str, str] = {}  # session id -> its trust tier's runtime
         self._known_runtimes: frozenset[str] | None = None
+
+    def check_host(self) -> None:
+        """Refuse a run directory sandboxes could fill: where socket directories cannot
+        be capped tmpfs mounts of their own, its filesystem must be small
+        (KERNELHUB_DOCKER__RUN_DIR_MAX_BYTES)."""
+        if self.run_dir_max_bytes is None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        st = os.statvfs(self.run_dir)
+        problem = uncapped_run_dir(
+            self.run_dir,
+            can_mount=can_mount_tmpfs(self.run_dir),
+            filesystem_bytes=st.f_blocks * st.f_frsize,
+            max_bytes=self.run_dir_max_bytes,
+        )
+        if problem is not None:
+            raise ConfigError(problem)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a blocking docker SDK call on our pool, translating its errors."""

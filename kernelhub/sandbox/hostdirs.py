@@ -54,6 +54,41 @@ def mount_tmpfs(
     return True
 
 
+def can_mount_tmpfs(parent: Path) -> bool:
+    """Whether this process may mount a tmpfs (tried on a scratch directory in
+    ``parent``, then undone)."""
+    if os.geteuid() != 0:
+        return False
+    parent.mkdir(parents=True, exist_ok=True)
+    probe = parent / f".mount-probe-{os.getpid()}"
+    probe.mkdir(exist_ok=True)
+    try:
+        mounted = mount_tmpfs(probe, size_bytes=4096, uid=0, gid=0)
+        unmount(probe)
+        return mounted
+    finally:
+        with contextlib.suppress(OSError):
+            probe.rmdir()
+
+
+def uncapped_run_dir(
+    run_dir: Path, *, can_mount: bool, filesystem_bytes: int, max_bytes: int | None
+) -> str | None:
+    """Why ``run_dir`` must not serve sandboxes, or None. Where each socket directory
+    cannot be a capped tmpfs of its own, whatever a sandbox writes there lands on the
+    filesystem ``run_dir`` is on: it must be small."""
+    if can_mount or max_bytes is None or filesystem_bytes <= max_bytes:
+        return None
+    return (
+        f"KERNELHUB_RUN_DIR {run_dir} is on a filesystem of {filesystem_bytes} bytes and "
+        "this gateway may not mount a capped tmpfs per session (not root, or a container "
+        "without CAP_SYS_ADMIN): sandboxes could fill it through their socket directories. "
+        f"Mount a small tmpfs there first (on the host: `mount -t tmpfs -o "
+        f"size=16m,mode=0711 kernelhub {run_dir}`), or raise "
+        f"KERNELHUB_DOCKER__RUN_DIR_MAX_BYTES (now {max_bytes}; null starts anyway)"
+    )
+
+
 def unmount(path: Path) -> None:
     """Detach the filesystem mounted at ``path``, if any (lazily: a process that still
     holds a file there keeps its pages until it lets go, but no path reaches them)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kernelhub.config import Limits
@@ -145,3 +146,15 @@ def session_info(
         warm=warm,
         stored_bytes=s.stored_bytes,
     )
+
+
+def in_flight_bytes(sessions: Mapping[str, LiveSession], owner: str) -> int:
+    """What ``owner``'s running and queued cells may still store: each its output cap (the
+    storage quota reserves it, so queued cells cannot overshoot the quota)."""
+    total = 0
+    for live in sessions.values():
+        kernel = live.kernel
+        if kernel is not None and live.stored.owner == owner:
+            cells = kernel.queue_length + (kernel.running is not None)
+            total += cells * live.limits.output_bytes
+    return total

@@ -40,7 +40,7 @@ from kernelhub.models import Event, ExecutionStatus
 from kernelhub.profiles import check_profiles, choose_profile, resolve_limits, runtime_for
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.continuity import Continuity
-from kernelhub.session.live import LiveSession, held, session_info
+from kernelhub.session.live import LiveSession, held, in_flight_bytes, session_info
 from kernelhub.session.operations import Operations
 from kernelhub.session.pool import WarmPool
 from kernelhub.session.recorder import Observer, Recorder
@@ -95,7 +95,12 @@ class SessionManager:
         )
         self.sessions: dict[str, LiveSession] = {}
         self.blobs = BlobStore(settings.data_dir)
-        self.storage = StorageGuard(settings.storage, store.ledger, settings.data_dir)
+        self.storage = StorageGuard(
+            settings.storage,
+            store.ledger,
+            settings.data_dir,
+            in_flight=partial(in_flight_bytes, self.sessions),
+        )
         self.retention = RetentionSweeper(store, self.blobs, settings.storage, self._purged)
         self._tasks: set[asyncio.Task[None]] = set()
         budget = settings.gateway.memory_budget_bytes
@@ -153,11 +158,16 @@ class SessionManager:
         """Re-adopt sandboxes a previous process left running; report the rest dead;
         remove orphans."""
         for stored in await self.store.list_sessions():
-            if stored.state in (SessionState.DEAD, SessionState.DELETED):
+            if stored.state == SessionState.DELETED or stored.deleted_at is not None:
                 continue
             limits = Limits(**stored.limits)
             live = self._live(stored, limits)
             self.sessions[stored.id] = live
+            if stored.state == SessionState.DEAD:
+                # Held without a sandbox, as one that dies while we run: it counts against
+                # its owner's sessions until deleted, whichever process saw it die.
+                live.phase, live.reason = SessionState.DEAD, stored.reason
+                continue
             if stored.state == SessionState.HIBERNATED and stored.hibernation:
                 live.phase = SessionState.HIBERNATED
                 live.hibernation = stored.hibernation
@@ -525,6 +535,8 @@ class SessionManager:
             # It died before this process started: only its state directory may be left.
             await self.backend.drop_state(session_id)
         else:
+            if live.phase == SessionState.DEAD and live.kernel is None:
+                await self.backend.drop_state(session_id)  # dead before this process began
             if live.phase != SessionState.DELETED:  # not already on its way out
                 live.move(Transition.DELETE)
             if self.egress is not None:

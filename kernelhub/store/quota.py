@@ -6,6 +6,10 @@ store charges it inside each write and persists the per-session sums
 (``sessions.stored_bytes``) in the same transaction. :class:`StorageGuard` is what the
 session manager asks before it takes a new cell or session: the principal's quota, and
 the data directory's free disk space (a cached ``statvfs``).
+
+The quota counts what is stored *and* what the principal's unfinished cells may still
+store (each its output cap, ``in_flight``): checking stored bytes alone, 64 cells queued
+while under the quota would each write their cap after it was used up.
 """
 
 from __future__ import annotations
@@ -105,10 +109,12 @@ class StorageGuard:
         *,
         statvfs: Callable[[Path], tuple[int, int]] = _statvfs,
         clock: Callable[[], float] = time.monotonic,
+        in_flight: Callable[[str], int] = lambda principal: 0,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.data_dir = data_dir
+        self.in_flight = in_flight  # bytes a principal's running and queued cells may store
         self._statvfs = statvfs
         self._clock = clock
         self._disk: tuple[float, int, int] | None = None  # (read at, free, total)
@@ -137,6 +143,16 @@ class StorageGuard:
                 f"execution records, the quota is {quota} bytes; delete sessions with "
                 "?purge=true to free space, or raise KERNELHUB_STORAGE__QUOTA_BYTES "
                 "(per principal: KERNELHUB_STORAGE__QUOTAS)"
+            )
+        pending = self.in_flight(principal) if quota is not None else 0
+        if quota is not None and used + pending >= quota:
+            raise StorageFullError(
+                f"storage quota reserved: {principal!r} stores {used} bytes and its running "
+                f"and queued cells may store {pending} more (their output caps), the quota "
+                f"is {quota} bytes; wait for those cells to finish, delete sessions with "
+                "?purge=true, or raise KERNELHUB_STORAGE__QUOTA_BYTES (per principal: "
+                "KERNELHUB_STORAGE__QUOTAS)",
+                retry_after=2,
             )
         self.check_disk()
 

@@ -281,6 +281,32 @@ async def test_a_message_over_the_limit_is_cut_before_it_is_sent(start_kernel: S
     assert small.text() == "y" * 1000 + "\n"
 
 
+async def test_a_clear_output_after_a_clear_output_is_not_sent(start_kernel: StartKernel) -> None:
+    kernel = await start_kernel()
+    t0 = time.monotonic()
+    cell = await kernel.execute(
+        "from IPython.display import clear_output\nfor i in range(20_000):\n    clear_output()"
+    )
+    took = time.monotonic() - t0
+    kinds = [m["msg_type"] for m in cell.outputs if m["msg_type"] != "status"]
+    assert kinds.count("clear_output") == 1, kinds[:10]
+    print(f"20k clear_output calls: {took:.2f} s")
+    # Between outputs each still clears, with its wait flag, in order.
+    cell = await kernel.execute(
+        "from IPython.display import clear_output\n"
+        "for i in range(3):\n    print(i, flush=True)\n    clear_output(wait=True)\n"
+        "    clear_output(wait=True)"
+    )
+    kinds = [
+        (m["msg_type"], m["content"].get("text") or m["content"].get("wait"))
+        for m in cell.outputs
+        if m["msg_type"] in ("stream", "clear_output")
+    ]
+    assert kinds == [
+        (k, v) for i in range(3) for k, v in (("stream", f"{i}\n"), ("clear_output", True))
+    ]
+
+
 async def test_thread_output_stays_with_the_cell_that_started_it(
     start_kernel: StartKernel,
 ) -> None:

@@ -248,3 +248,67 @@ def test_without_mount_rights_the_state_dir_is_still_capped(tmp_path: Path) -> N
     assert err == "ENOSPC" and int(written) <= 8 * 2**20, report
     assert report["state_on_host"] is False, "fell back to an uncapped host directory"
     assert "cannot mount a capped tmpfs" in result.stderr
+
+
+def _serve_without_mount_rights(
+    capsh: str, run_dir: Path, data_dir: Path, log: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    from tests.conftest import RUN_INSTANCE
+    from tests.gateway.conftest import free_port
+
+    port = free_port()
+    env = {
+        **os.environ,
+        "KERNELHUB_BACKEND": "docker",
+        "KERNELHUB_DATA_DIR": str(data_dir),
+        "KERNELHUB_RUN_DIR": str(run_dir),
+        "KERNELHUB_GATEWAY__PORT": str(port),
+        "KERNELHUB_GATEWAY__INSTANCE": f"{RUN_INSTANCE}r",
+        "KERNELHUB_POOL__SIZE": "0",
+    }
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            [capsh, "--drop=cap_sys_admin", "--", "-c", 'exec "$0" "$@"',
+             sys.executable, "-m", "kernelhub.cli", "serve"],
+            env=env, stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def test_without_mount_rights_serve_refuses_an_uncapped_run_dir(tmp_path: Path) -> None:
+    """As under compose, where the socket directories cannot be capped tmpfs mounts of
+    their own: on a run directory as large as the host's disk (or its /run), what a
+    sandbox writes into its socket directory fills the host. serve refuses that before
+    any sandbox starts, naming the knob; on a small tmpfs it serves."""
+    capsh = shutil.which("capsh")
+    if os.geteuid() != 0 or capsh is None:
+        pytest.skip("needs root and capsh (`apt-get install -y libcap2-bin`) to drop CAP_SYS_ADMIN")
+    from tests.gateway.conftest import wait_until_up
+
+    log = tmp_path / "refused.log"
+    refused, _ = _serve_without_mount_rights(capsh, tmp_path / "run", tmp_path / "data", log)
+    try:
+        refused.wait(timeout=45 * UNIT)
+    except subprocess.TimeoutExpired:
+        refused.kill()
+        refused.wait()
+        pytest.fail(f"serve started on an uncapped run dir: {log.read_text()[-3000:]}")
+    out = log.read_text()
+    assert refused.returncode != 0, out[-3000:]
+    assert "may not mount a capped tmpfs" in out and "KERNELHUB_DOCKER__RUN_DIR_MAX_BYTES" in out
+    capped = tmp_path / "capped"
+    capped.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m,mode=0711", "kernelhub-test", str(capped)],
+        check=True, timeout=30,
+    )  # fmt: skip
+    try:
+        log = tmp_path / "served.log"
+        served, url = _serve_without_mount_rights(capsh, capped, tmp_path / "data2", log)
+        try:
+            wait_until_up(served, f"{url}/readyz", log)
+        finally:
+            served.terminate()
+            served.wait(60)
+    finally:
+        subprocess.run(["umount", "-l", str(capped)], check=False, timeout=30)

@@ -129,6 +129,13 @@ def non_reading_stream(gw: Gateway, sid: str, token: str, since: int) -> socket.
     return s
 
 
+def connections_to(gw: Gateway, clients: list[socket.socket]) -> int:
+    """How many of ``clients`` the gateway still holds a connection to."""
+    ports = {c.getsockname()[1] for c in clients}
+    conns = psutil.Process(gw.proc.pid if gw.proc else 0).net_connections(kind="tcp")
+    return sum(1 for k in conns if k.raddr and k.raddr.port in ports)
+
+
 def read_until_closed(s: socket.socket, timeout: float) -> bytes:
     """Everything the server sends until it closes (EOF or reset), within ``timeout``."""
     s.settimeout(timeout)
@@ -285,13 +292,7 @@ async def test_non_reading_clients_are_cut_and_gateway_memory_stays_bounded(
             settled_after = time.monotonic() - t0
             # The gateway itself drops them (stall cut-off): read only after, or reading
             # would count as the client catching up.
-            ports = {c.getsockname()[1] for c in clients}
-
-            def held() -> int:
-                conns = psutil.Process(gw.proc.pid if gw.proc else 0).net_connections(kind="tcp")
-                return sum(1 for k in conns if k.raddr and k.raddr.port in ports)
-
-            await eventually(lambda: held() == 0, 60)
+            await eventually(lambda: connections_to(gw, clients) == 0, 60)
             cut = await asyncio.gather(
                 *(asyncio.to_thread(read_until_closed, c, 10 * UNIT) for c in clients)
             )
@@ -309,6 +310,41 @@ async def test_non_reading_clients_are_cut_and_gateway_memory_stays_bounded(
         # The session still serves a reading client.
         ws = await open_stream(gw, sid, alice)
         await ws.close()
+
+
+async def test_non_reading_clients_behind_a_flood_read_no_pages_from_the_store(
+    gw: Gateway, alice: str
+) -> None:
+    # A client further behind than its buffer catches up from the store, a page (up to
+    # 500 events) at a time. One that reads nothing used to get its page anyway, its own
+    # copy, held while the page's first frame waited on it: 20 such clients of one 30 MB
+    # print held ~20 x 30 MB. Now the next page waits until the client took the last.
+    cell = "import sys\nfor i in range(300):\n    sys.stdout.write('y' * 100_000 + '\\n')"
+    async with httpx.AsyncClient(base_url=gw.url, headers=auth(alice), timeout=120 * UNIT) as http:
+        r = await http.post("/v1/sessions", json={"limits": {"output_bytes": 64 * MiB}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+
+        async def run() -> None:
+            r = await http.post(f"/v1/sessions/{sid}/executions", json={"code": cell, "wait": True})
+            assert r.status_code == 200 and r.json()["status"] == "completed", r.text
+
+        async with PeakRss(gw) as alone:
+            await run()
+        since = (await http.get(f"/v1/sessions/{sid}")).json()["last_seq"]
+        clients = [non_reading_stream(gw, sid, alice, since) for _ in range(PER_SESSION)]
+        try:
+            async with PeakRss(gw) as watched:
+                await run()
+                # Until the gateway cut them all (the stall cut-off): pages would be read
+                # meanwhile.
+                await eventually(lambda: connections_to(gw, clients) == 0, 60)
+        finally:
+            for c in clients:
+                c.close()
+        grown = (watched.peak - alone.peak) / MiB
+        assert grown < 100, f"{PER_SESSION} non-reading clients cost {grown:.0f} MiB more"
+        await http.delete(f"/v1/sessions/{sid}")
 
 
 def test_slowloris_heads_and_bodies_are_timed_out(gw: Gateway, alice: str) -> None:

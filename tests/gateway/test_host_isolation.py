@@ -185,6 +185,11 @@ async def test_dead_sessions_count_against_the_principal_quota(tmp_path: Path) -
                 await asyncio.sleep(0.05)
             r = await http.post("/v1/sessions", json={}, headers=auth(token))
             assert r.status_code == 429 and "dead" in r.json()["message"], r.text
+            # Still counted by a gateway that finds it dead when it starts.
+            gw.kill9()
+            gw.start()
+            r = await http.post("/v1/sessions", json={}, headers=auth(token))
+            assert r.status_code == 429 and "1 of them dead" in r.json()["message"], r.text
             assert (
                 await http.delete(f"/v1/sessions/{sid}", headers=auth(token))
             ).status_code == 204

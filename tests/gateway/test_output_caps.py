@@ -98,9 +98,11 @@ async def test_20k_clear_output_calls_store_a_bounded_number_of_events(
     http: httpx.AsyncClient, token: str
 ) -> None:
     sid = await new_session(http, token)  # the default cap: 10,000 events
+    # Each clear after some output: back to back, the kernel sends only the first.
     code = (
         "from IPython.display import clear_output\n"
-        "for i in range(20_000):\n"
+        "for i in range(15_000):\n"
+        "    print(i, end='', flush=True)\n"
         "    clear_output()\n"
         "print('done')"
     )
@@ -108,7 +110,7 @@ async def test_20k_clear_output_calls_store_a_bounded_number_of_events(
     record = result["record"]
     assert result["status"] == "completed", record
     assert len(result["events"]) <= 10_000 + 10
-    assert record["dropped_events"] >= 9_000
+    assert record["dropped_events"] >= 5_000  # the clears alone are 15,000 messages
     assert stdout(result).endswith("done\n"), "the end survives the event cap"
 
 

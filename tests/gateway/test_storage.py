@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from tests.gateway.test_gateway import _run_dir, auth, new_session, run, stdout
 
 pytestmark = pytest.mark.docker
 
-QUOTA = 3_000_000  # alice's override; everyone else has the default (1 GiB)
+QUOTA = 3_000_000  # alice's and quinn's override; everyone else has the default (1 GiB)
 RETENTION = 5.0  # long enough for a few requests under load, short enough to wait for
 
 
@@ -31,7 +32,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     gateway = Gateway(
         tmp_path_factory.mktemp("storage") / "data",
         _run_dir(),
-        KERNELHUB_STORAGE__QUOTAS=json.dumps({"alice": QUOTA}),
+        KERNELHUB_STORAGE__QUOTAS=json.dumps({"alice": QUOTA, "quinn": QUOTA}),
         KERNELHUB_STORAGE__RETENTION=str(RETENTION * UNIT),
         KERNELHUB_STORAGE__SWEEP_INTERVAL=str(0.5 * UNIT),
     )
@@ -97,6 +98,47 @@ async def test_a_principal_over_its_quota_is_refused_while_another_is_not(gw: Ga
         assert stdout(await run(http, alice, again, "print('room')")) == "room\n"
         for token, sid in ((alice, again), (bob, theirs)):
             await http.delete(f"/v1/sessions/{sid}", params={"purge": "true"}, headers=auth(token))
+
+
+async def test_queued_cells_cannot_overshoot_the_quota(gw: Gateway) -> None:
+    # Checked against stored bytes alone, every cell queued behind a running one passed
+    # (nothing stored yet) and then wrote up to its output cap: 5 x 2 MB against 3 MB.
+    quinn = gw.token("quinn")
+    async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
+        sid = await new_session(http, quinn)
+        r = await http.post(
+            f"/v1/sessions/{sid}/executions",
+            json={"code": "import time\ntime.sleep(600)"},
+            headers=auth(quinn),
+        )
+        assert r.status_code == 202, r.text
+        first = r.json()["id"]
+        answers = [
+            await http.post(
+                f"/v1/sessions/{sid}/executions",
+                json={"code": "print('q' * 2_000_000)"},
+                headers=auth(quinn),
+            )
+            for _ in range(5)
+        ]
+        assert [a.status_code for a in answers] == [507] * 5, [a.text for a in answers]
+        body = answers[0].json()
+        assert body["error"] == "storage_full" and "reserved" in body["message"], body
+        assert str(QUOTA) in body["message"] and "KERNELHUB_STORAGE__QUOTA" in body["message"]
+        # The running cell's reservation ends with it: the next cell runs.
+        await http.post(f"/v1/executions/{first}/interrupt", headers=auth(quinn))
+
+        deadline = time.monotonic() + 60 * UNIT
+        while (await http.get(f"/v1/executions/{first}?events=false", headers=auth(quinn))).json()[
+            "record"
+        ] is None:
+            assert time.monotonic() < deadline, "the interrupted cell never finished"
+            await asyncio.sleep(0.05)
+        done = await run(http, quinn, sid, "print('q' * 2_000_000)")
+        assert done["status"] == "completed"
+        info = (await http.get(f"/v1/sessions/{sid}", headers=auth(quinn))).json()
+        assert info["stored_bytes"] < QUOTA, info
+        await http.delete(f"/v1/sessions/{sid}", params={"purge": "true"}, headers=auth(quinn))
 
 
 async def test_delete_with_purge_removes_the_events_and_the_file_shrinks(gw: Gateway) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import subprocess
 import sys
+import time
 import tomllib
 import uuid
 from collections.abc import Iterator
@@ -393,14 +395,6 @@ def test_a_refused_kernelspec_says_which_gateway_and_knob(
     assert "KERNELHUB_SESSION" in str(missing.value) and not km.has_kernel
 
 
-# Known bug, kept visible (issue #21 stays open for it): in some runs the console's first
-# cell on the attached session never gets its reply (banner and prompt, then a wait); it
-# passes alone and in most full runs. Not yet understood, so not strict: a pass still counts.
-@pytest.mark.xfail(
-    reason="jupyter console's first cell sometimes gets no reply (#21, under investigation)",
-    strict=False,
-    raises=subprocess.TimeoutExpired,
-)
 def test_jupyter_console_runs_a_cell_in_the_attached_session(gw: Gateway, specs: str) -> None:
     pytest.importorskip("jupyter_console")
     asyncio.run(agent_run(gw, gw.alice, specs, "for_console = 'seen by console'"))  # type: ignore[attr-defined]
@@ -419,6 +413,37 @@ def test_jupyter_console_runs_a_cell_in_the_attached_session(gw: Gateway, specs:
     )
     sources = [c.source for c in nbformat.reads(r.text, as_version=4).cells]
     assert "print(for_console.upper())" in sources  # the console's cell is in the record
+
+
+def test_a_request_waits_for_the_first_iopub_subscriber(gw: Gateway, specs: str) -> None:
+    # What made jupyter console's first cell hang (#21): its iopub SUB and shell DEALER
+    # connect to the bridge independently (each retries every 100 ms until it binds), so
+    # the shell can be answered before iopub is subscribed; an execute then publishes its
+    # busy/idle to nobody and the console waits for an idle forever. Here the shell is
+    # connected first on purpose and iopub only after the request was sent.
+    km = KernelManager(kernel_name="kernelhub")  # a session of its own
+    km.start_kernel()
+    kc = km.blocking_client()
+    kc.start_channels(iopub=False, stdin=False)
+    try:
+        msg_id = kc.execute("print('after subscribing')")
+        with pytest.raises(queue.Empty):  # held while nobody listens on iopub
+            kc.get_shell_msg(timeout=0.5)
+        kc.iopub_channel.start()
+        seen: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 60 * UNIT
+        while not any(m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                      and m["parent_header"].get("msg_id") == msg_id for m in seen):  # fmt: skip
+            seen.append(kc.get_iopub_msg(timeout=max(deadline - time.monotonic(), 0.01)))
+        kinds = [m["msg_type"] for m in seen]
+        assert kinds[0] == "iopub_welcome"  # as ipykernel greets a subscriber (JEP 65)
+        mine = [m for m in seen if m["parent_header"].get("msg_id") == msg_id]
+        assert [m["msg_type"] for m in mine] == ["status", "execute_input", "stream", "status"]
+        assert mine[2]["content"]["text"] == "after subscribing\n"
+        assert kc.get_shell_msg(timeout=60 * UNIT)["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel()
 
 
 def test_nbclient_runs_a_notebook_by_kernel_name(gw: Gateway, specs: str) -> None:

@@ -276,6 +276,20 @@ async def test_a_peer_that_takes_nothing_of_a_little_is_reported_a_linger_later(
     peer.close()
 
 
+async def test_a_closed_transport_whose_peer_takes_nothing_is_still_reported() -> None:
+    # The stream closes a client it gave up on; the close waits behind what the client
+    # did not take, and the watch must go on, or the connection stays open forever.
+    watched, peer, stalls = await _watched(stall_timeout=0.4, buffer_bytes=256 * 2**20)
+    watched.write(b"x" * 256 * 1024)  # all of it fits the socket transport: no backlog
+    await asyncio.sleep(0)
+    watched.close()
+    assert watched.get_write_buffer_size() > 0
+    await eventually(lambda: bool(stalls), 3)
+    assert stalls[0].startswith("nothing read for"), stalls
+    watched.abort()
+    peer.close()
+
+
 class _Feeding(asyncio.Protocol):
     """Feeds a watched transport when the socket drains, as the WebSocket protocol does."""
 

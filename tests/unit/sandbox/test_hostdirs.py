@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelhub.sandbox.hostdirs import mount_tmpfs, remove_tree, unmount
+from kernelhub.sandbox.hostdirs import mount_tmpfs, remove_tree, uncapped_run_dir, unmount
 
 
 def deep_tree(root: Path, depth: int) -> None:
@@ -130,3 +130,15 @@ def test_the_reaper_removes_only_its_own_gateways_directories(tmp_path: Path) ->
         from kernelhub.sandbox.state import drop_state_dir
 
         drop_state_dir(tmp_path / f"{sid}.state")
+
+
+def test_a_run_dir_sandboxes_could_fill_is_refused_only_where_mounts_are() -> None:
+    run = Path("/run/kernelhub/compose")
+    big, small, most = 2 * 2**30, 16 * 2**20, 256 * 2**20
+    assert uncapped_run_dir(run, can_mount=True, filesystem_bytes=big, max_bytes=most) is None
+    assert uncapped_run_dir(run, can_mount=False, filesystem_bytes=small, max_bytes=most) is None
+    assert uncapped_run_dir(run, can_mount=False, filesystem_bytes=big, max_bytes=None) is None
+    problem = uncapped_run_dir(run, can_mount=False, filesystem_bytes=big, max_bytes=most)
+    assert problem is not None
+    assert str(run) in problem and str(big) in problem and str(most) in problem
+    assert "mount -t tmpfs" in problem and "KERNELHUB_DOCKER__RUN_DIR_MAX_BYTES" in problem

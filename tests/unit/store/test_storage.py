@@ -160,6 +160,25 @@ def test_the_guard_names_usage_quota_and_knob_and_honours_overrides(tmp_path: Pa
     guard.check("alice")
 
 
+def test_the_guard_counts_what_unfinished_cells_may_still_store(tmp_path: Path) -> None:
+    ledger = StorageLedger()
+    ledger.add_session("a1", "alice", 400)
+    in_flight = {"alice": 0}
+    settings = StorageSettings(quota_bytes=1000, quotas={"bob": None}, min_free_bytes=0)
+    guard = StorageGuard(settings, ledger, tmp_path, in_flight=in_flight.__getitem__)
+    guard.check("alice")  # 400 stored, nothing in flight
+    in_flight["alice"] = 599
+    guard.check("alice")  # 999: still room
+    in_flight["alice"] = 600
+    with pytest.raises(StorageFullError) as caught:
+        guard.check("alice")
+    message = str(caught.value)
+    assert "400" in message and "600" in message and "1000" in message
+    assert "reserved" in message and "KERNELHUB_STORAGE__QUOTA_BYTES" in message
+    assert caught.value.retry_after == 2  # a cell finishing soon frees it
+    guard.check("bob")  # no quota: never asked
+
+
 def test_the_disk_floor_reads_statvfs_at_most_once_per_interval(tmp_path: Path) -> None:
     clock = [0.0]
     disk = {"free": 10 * 2**30, "reads": 0}
