@@ -179,13 +179,16 @@ class Suite:
         """The peers named by ``keys`` (:data:`peers.PEERS`) that could start; a note for
         each that could not."""
         started: dict[str, Peer] = {}
+
+        async def launch(key: str) -> None:
+            try:
+                started[key] = await Peer.launch(PEERS[key], self.root)
+            except (Unavailable, RuntimeError) as exc:
+                self.note(section, f"{PEERS[key].label} not measured: {exc}.")
+
         try:
-            for key in keys:
-                try:
-                    started[key] = await Peer.launch(PEERS[key], self.root)
-                except (Unavailable, RuntimeError) as exc:
-                    self.note(section, f"{PEERS[key].label} not measured: {exc}.")
-            yield started
+            await asyncio.gather(*(launch(key) for key in keys))  # start-up is not timed
+            yield {key: started[key] for key in PEERS if key in started}
         finally:
             for peer in started.values():
                 await peer.stop()
@@ -196,7 +199,8 @@ class Suite:
     ) -> AsyncIterator[dict[str, PeerKernel]]:
         """One kernel on each peer of :meth:`peers`."""
         async with self.peers(section, keys) as started:
-            yield {key: await peer.kernel() for key, peer in started.items()}
+            kernels = await asyncio.gather(*(peer.kernel() for peer in started.values()))
+            yield dict(zip(started, kernels, strict=True))
 
     def note(self, section: str, text: str) -> None:
         self.notes.append((section, text))

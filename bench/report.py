@@ -57,8 +57,13 @@ def ratio(value: float, floor: float) -> str:
 
 
 def spread(value: Any, unit: Callable[[float], str] = ms) -> str:
-    """A :class:`rounds.Spread` as ``median [min–max]`` in ``unit``."""
-    return f"{unit(value.median)} [{unit(value.lo)}–{unit(value.hi)}]"
+    """A :class:`rounds.Spread` as ``median [min–max]`` in ``unit``; the unit is written
+    once when all three share it (``7.44 ms [7.10–7.90]``)."""
+    mid, lo, hi = unit(value.median), unit(value.lo), unit(value.hi)
+    suffix = mid.rpartition(" ")[2] if " " in mid else ""
+    if suffix and lo.endswith(" " + suffix) and hi.endswith(" " + suffix):
+        lo, hi = lo.rpartition(" ")[0], hi.rpartition(" ")[0]
+    return f"{mid} [{lo}–{hi}]"
 
 
 def times(value: Any) -> str:

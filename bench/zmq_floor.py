@@ -38,6 +38,9 @@ class ZmqFloor:
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
         self.iopub.connect(f"ipc://{info['ip']}-{info['iopub_port']}")
         self.session = uuid.uuid4().hex
+        self.poller = zmq.asyncio.Poller()
+        self.poller.register(self.shell, zmq.POLLIN)
+        self.poller.register(self.iopub, zmq.POLLIN)
 
     @classmethod
     async def start(cls, root: Path) -> ZmqFloor:
@@ -81,13 +84,10 @@ class ZmqFloor:
         await self.shell.send_multipart([DELIM, self._sign(body), *body])
         reply: dict[str, Any] | None = None
         idle = False
-        poller = zmq.asyncio.Poller()
-        poller.register(self.shell, zmq.POLLIN)
-        poller.register(self.iopub, zmq.POLLIN)
         deadline = time.monotonic() + timeout
         while reply is None or not idle:
             remaining = deadline - time.monotonic()
-            ready = dict(await poller.poll(max(0.0, remaining) * 1000))
+            ready = dict(await self.poller.poll(max(0.0, remaining) * 1000))
             if not ready:
                 raise TimeoutError(f"no {msg_type} reply within {timeout} s")
             if self.shell in ready:
