@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt
 LABELS = {"kernelhub": "kernelhub (WebSocket, sandboxed)",
           "floor": "floor: as many stock ipykernels (jupyter_client)",
           "peer": "Jupyter Kernel Gateway + TCP_NODELAY"}  # fmt: skip
+SHORT = {"kernelhub": "kernelhub", "floor": "stock kernels", "peer": "JKG + NODELAY"}
 STYLE = {"kernelhub": "C0", "floor": "C7", "peer": "C1"}
 
 
@@ -43,9 +44,9 @@ def concurrency(levels: dict[int, dict[str, dict[str, Any]]], out: Path) -> Path
         _errorbar(left, xs, [levels[n][name]["rate"] for n in xs], 1, color=color,
                   label=LABELS[name])  # fmt: skip
         _errorbar(right, xs, [levels[n][name]["p99"] for n in xs], 1000, color=color,
-                  label=f"{name} p99")  # fmt: skip
+                  label=f"{SHORT[name]} p99")  # fmt: skip
         _errorbar(right, xs, [levels[n][name]["p50"] for n in xs], 1000, color=color,
-                  linestyle="--", label=f"{name} p50")  # fmt: skip
+                  linestyle="--", label=f"{SHORT[name]} p50")  # fmt: skip
     left.set(title="throughput", xlabel="concurrent sessions", ylabel="cells/s")
     right.set(title="cell latency (`1+1`)", xlabel="concurrent sessions", ylabel="ms")
     left.set_ylim(bottom=0)
