@@ -25,14 +25,24 @@ def is_png(path: Path) -> bool:
 def test_concurrency_and_snapshot_charts_are_drawn(tmp_path: Path) -> None:
     s = Spread(0.01, 0.008, 0.02)
     levels = {
-        n: {name: {"rate": Spread(100.0 * k, 90.0 * k, 110.0 * k), "p50": s, "p99": s}
-            for name in ("kernelhub", "floor")}  # fmt: skip
+        n: {
+            name: {"rate": Spread(100.0 * k, 90.0 * k, 110.0 * k), "p50": s, "p99": s}
+            for name in ("kernelhub", "floor")
+        }
         for k, n in enumerate((10, 50), start=1)
     }
     levels[10]["peer"] = {"rate": Spread(50.0, 40.0, 60.0), "p50": s, "p99": s}
     sizes = [
-        SizeSamples(m, {"snapshot": m / 100, "dump": m / 120, "load": m / 200,
-                        "restore_total": 0.5 + m / 150, "cold": 0.5})  # fmt: skip
+        SizeSamples(
+            m,
+            {
+                "snapshot": m / 100,
+                "dump": m / 120,
+                "load": m / 200,
+                "restore_total": 0.5 + m / 150,
+                "cold": 0.5,
+            },
+        )
         for m in (100, 10)
     ]
     drawn = charts.draw({"concurrency": levels, "snapshot": sizes}, tmp_path)
