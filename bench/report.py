@@ -106,6 +106,9 @@ def _memory_total() -> str:
 
 
 def _git_revision() -> str:
+    # A run from an exported tree (no .git) says which commit it was exported from.
+    if tree := os.environ.get("BENCH_TREE"):
+        return tree
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

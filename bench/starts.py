@@ -8,7 +8,7 @@ import asyncio
 import engine
 import gateway
 from harness import POOL_SIZE, Suite
-from report import Row, Unavailable, ms, quantile, spread, times
+from report import Row, Unavailable, ms, quantile, seconds, spread, times
 from rounds import Spread, interleave
 
 
@@ -117,9 +117,9 @@ async def warm_start(suite: Suite) -> list[Row]:
     quiet_p90, busy_p90 = quantile(quiet, 0.9), quantile(busy or quiet, 0.9)
     return [
         Row(section, f"burst of {burst} from a full pool of {POOL_SIZE}: p50 per burst",
-            spread(Spread.of(p50s))),
+            spread(Spread.of(p50s), seconds)),
         Row(section, f"burst of {burst} from a full pool of {POOL_SIZE}: p90 per burst",
-            spread(Spread.of(p90s)), "", "", "≤ 100 ms"),
+            spread(Spread.of(p90s), seconds), "", "", "≤ 100 ms"),
         Row(section, "a running session's `1+1` (REST) during bursts and refill, p90",
             ms(busy_p90), f"{ms(quiet_p90)} (pool full, quiet)", f"{busy_p90 / quiet_p90:.2f}×"),
     ]  # fmt: skip
