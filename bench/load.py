@@ -76,8 +76,10 @@ async def concurrency(suite: Suite) -> list[Row]:
                 try:
                     peer = await Peer.launch(PEERS[PEER], suite.root)
                     peer_kernels = await gather_limited(4, [peer.kernel] * n)
-                except (Unavailable, RuntimeError) as exc:
-                    suite.note(section, f"{PEERS[PEER].label} at {n} sessions: {exc}.")
+                except (Unavailable, RuntimeError, TimeoutError, OSError) as exc:
+                    # The peer failing to start n kernels is its result, not the section's.
+                    suite.note(section, f"{PEERS[PEER].label} at {n} sessions: {exc!r}.")
+                    peer_kernels = []
                 up += f", {PEERS[PEER].label} {seconds(time.perf_counter() - t0)}"
             async with contextlib.AsyncExitStack() as stack:
                 clients = [

@@ -185,7 +185,7 @@ class Peer:
             kernel_id = r.json()["id"]
         conn = await connect(
             f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels",
-            additional_headers=self.headers, max_size=2**26,
+            additional_headers=self.headers, max_size=2**26, open_timeout=timeout,
         )  # fmt: skip
         kernel = PeerKernel(conn)
         self.kernels.append(kernel)
