@@ -24,7 +24,7 @@ from gateway import Gateway, WsSession
 from peers import PEERS, Peer, PeerKernel
 from report import MiB, Row, Unavailable
 
-from kernelhub.config import Limits, Settings
+from kernelhub.config import GatewaySettings, Limits, Settings
 from kernelhub.execution.engine import KernelSession
 from kernelhub.sandbox.backends import make_backend
 from kernelhub.sandbox.base import LABEL_INSTANCE, LABEL_MANAGED, SandboxBackend
@@ -34,6 +34,13 @@ T = TypeVar("T")
 SMALL_LIMITS = {"memory_bytes": 128 * MiB}  # 100 sessions must fit on a 24 GiB machine
 SMALL_SESSION = {"limits": SMALL_LIMITS}
 POOL_SIZE = 4
+# One WebSocket client per session at 100 sessions, all of one principal (the bench's
+# token), where the gateway caps a principal's streams.
+STREAMS = (
+    {"KERNELHUB_GATEWAY__MAX_STREAMS_PER_PRINCIPAL": "256"}
+    if "max_streams_per_principal" in GatewaySettings.model_fields
+    else {}
+)
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,7 @@ class Suite:
             env={
                 "KERNELHUB_GATEWAY__MAX_SESSIONS": "128",
                 "KERNELHUB_GATEWAY__MAX_SESSIONS_PER_PRINCIPAL": "128",
+                **STREAMS,
                 **env,
             },
         )
