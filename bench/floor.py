@@ -2,7 +2,8 @@
 
 - :class:`FloorKernel`: a stock ipykernel on the host, driven by plain jupyter_client over
   ipc (``execute``, then wait for the reply and for ``idle``): the floor for exec round
-  trips, first output and memory per idle kernel.
+  trips, first output (the cell prints with ``flush=True``), concurrency and output (as
+  many of them as sessions) and memory per idle kernel.
 - :func:`bare_container_exit`: ``docker run`` of the kernel image with kernelhub's exact
   hardening (``container_config``), running ``python -c pass`` to its exit: the floor
   for a cold start.
@@ -32,8 +33,9 @@ from kernelhub.sandbox.seccomp import profile_json
 # The cell keeps running after the print, as real cells do: the print must not wait for
 # the end of the cell (stock ipykernel flushes every 0.2 s).
 FIRST_PRINT = "print('x'); import time; time.sleep(0.3)"
-# The floor prints with flush=True: what a stock kernel's user does not to wait 0.2 s.
-FLOOR_FIRST_PRINT = "print('x', flush=True); import time; time.sleep(0.3)"
+# The floor's cell: a stock ipykernel sends stdout every 0.2 s unless the cell flushes;
+# that timer is ipykernel's choice, not a cost of getting a print to a client.
+FIRST_PRINT_FLUSH = "print('x', flush=True); import time; time.sleep(0.3)"
 
 
 async def await_reply(kc: Any, msg_id: str, timeout: float = 60) -> dict[str, Any]:
@@ -86,9 +88,9 @@ class FloorKernel:
         return elapsed
 
     async def first_print(self) -> float:
-        """Seconds from ``execute`` of :data:`FLOOR_FIRST_PRINT` to its first stream message."""
+        """Seconds from ``execute`` of :data:`FIRST_PRINT_FLUSH` to its first stream message."""
         t0 = time.perf_counter()
-        msg_id = self.kc.execute(FLOOR_FIRST_PRINT)
+        msg_id = self.kc.execute(FIRST_PRINT_FLUSH)
         first = None
         while True:
             msg = await self.kc.get_iopub_msg(timeout=10)

@@ -11,7 +11,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,25 @@ def ratio(value: float, floor: float) -> str:
     return f"{value / floor:.2f}×"
 
 
+def spread(value: Any, unit: Callable[[float], str] = ms) -> str:
+    """A :class:`rounds.Spread` as ``median [min–max]`` in ``unit``; the unit is written
+    once when all three share it (``7.44 ms [7.10–7.90]``)."""
+    mid, lo, hi = unit(value.median), unit(value.lo), unit(value.hi)
+    suffix = mid.rpartition(" ")[2] if " " in mid else ""
+    if suffix and lo.endswith(" " + suffix) and hi.endswith(" " + suffix):
+        lo, hi = lo.rpartition(" ")[0], hi.rpartition(" ")[0]
+    return f"{mid} [{lo}–{hi}]"
+
+
+def times(value: Any) -> str:
+    """A ratio :class:`rounds.Spread`: ``1.34× [1.20–1.51]``."""
+    return f"{value.median:.2f}× [{value.lo:.2f}–{value.hi:.2f}]"
+
+
+def per_second(value: float) -> str:
+    return f"{value:.0f}/s"
+
+
 def median(samples: Sequence[float]) -> float:
     return statistics.median(samples)
 
@@ -87,6 +106,9 @@ def _memory_total() -> str:
 
 
 def _git_revision() -> str:
+    # A run from an exported tree (no .git) says which commit it was exported from.
+    if tree := os.environ.get("BENCH_TREE"):
+        return tree
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -121,6 +143,7 @@ def describe_machine(
         ("Python (host)", f"{platform.python_implementation()} {platform.python_version()}"),
         ("kernelhub", f"{kernelhub.__version__}, {_git_revision()}"),
         ("date", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
+        ("cores", f"{os.cpu_count()}, shared with the other work on this machine"),
         ("load average at start", f"{load} (1, 5, 15 min)"),
     ]
 
@@ -145,8 +168,10 @@ def markdown(
     machine: Sequence[tuple[str, str]],
     rows: Sequence[Row],
     notes: Sequence[tuple[str, str]],
+    charts: Sequence[tuple[str, str]] = (),
 ) -> str:
-    """The whole report: preamble, machine, one table of every row, per-section notes."""
+    """The whole report: preamble, machine, one table of every row, the charts (title,
+    path relative to the report), per-section notes."""
     lines = [f"# {title}", "", *preamble, "", "## Machine", ""]
     lines += table(["", ""], [[name, value] for name, value in machine])
     lines += ["", "## Results", ""]
@@ -154,6 +179,10 @@ def markdown(
         ["section", "measurement", "kernelhub", "floor (same run)", "ratio", "target"],
         [[r.section, r.measurement, r.value, r.floor, r.ratio, r.target] for r in rows],
     )
+    if charts:
+        lines += ["", "## Charts", ""]
+        for chart_title, path in charts:
+            lines += [f"![{chart_title}]({path})", ""]
     lines += ["", "## Notes", ""]
     for section, note in notes:
         lines += [f"**{section}.** {note}", ""]
