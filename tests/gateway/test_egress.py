@@ -503,3 +503,52 @@ async def test_the_gate_is_answered_over_the_websocket_like_confirm(
                 break
     assert prompt is not None and "wsask.good.test:443" in prompt
     assert printed.strip() == "200", frames
+
+
+async def test_a_sessions_tier_policy_and_answers_survive_a_gateway_kill(
+    net: Net, http: httpx.AsyncClient
+) -> None:
+    """Issue #25: what a session was given lives in its row, not in the gateway's memory.
+    Both sessions' owners default to the wide 'test' policy, which a restarted gateway
+    that forgot would hand out."""
+    probe = (
+        "import requests\n"
+        "print(requests.get('https://api.good.test/kept', timeout=30).text)\n"
+        "try:\n    requests.get('https://secret.good.test/', timeout=30)\n"
+        "except requests.RequestException as exc:\n    print('refused:', exc)\n"
+    )
+    asked = "import requests\nprint(requests.get('https://ask.good.test/{}', timeout=90).text)\n"
+    async with httpx.AsyncClient(
+        base_url=net.gateway.url,
+        timeout=120 * UNIT,
+        headers={"Authorization": f"Bearer {net.bot}"},
+    ) as bot:
+        tight = await new_session(bot)  # the bot's tier, 'tight', fixes the 'strict' policy
+        try:
+            mine = await new_session(http)
+            r = await http.post(
+                f"/v1/sessions/{mine}/executions", json={"code": asked.format("before")}
+            )
+            eid = r.json()["id"]
+            await until_awaiting_input(http, eid)
+            await http.post(f"/v1/executions/{eid}/input", json={"value": "session"})
+            assert "/before" in text_of(await until_finished(http, eid))
+            net.gateway.kill9()
+            net.gateway.start()
+            assert (await bot.get(f"/v1/sessions/{tight}")).json()["state"] == "ready"
+            out = await run(bot, tight, probe)
+            assert "hello from api.good.test /kept" in out, out
+            assert "not on policy 'strict'" in out, out
+            # The human's "for this session" answer holds too: no second question.
+            r = await http.post(
+                f"/v1/sessions/{mine}/executions", json={"code": asked.format("after")}
+            )
+            eid = r.json()["id"]
+            deadline = asyncio.get_running_loop().time() + 60 * UNIT
+            while (info := (await http.get(f"/v1/executions/{eid}")).json())["record"] is None:
+                assert info["status"] != "awaiting_input", "asked again after the restart"
+                assert asyncio.get_running_loop().time() < deadline, "never finished"
+                await asyncio.sleep(0.05)
+            assert "hello from ask.good.test /after" in text_of(info), text_of(info)
+        finally:
+            await bot.delete(f"/v1/sessions/{tight}")
