@@ -9,9 +9,11 @@ egress collaborator.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kernelhub.config import EgressSettings, Limits, Profile, ProfileSettings, Settings
 from kernelhub.errors import ConfigError, ForbiddenError, InvalidRequestError
+from kernelhub.store.records import EgressGrants
 from kernelhub.wire import LimitsIn
 
 #: OCI runtimes behind each Docker isolation.
@@ -94,6 +96,18 @@ def runtime_for(chosen: Chosen | None, backend: str, runtimes: frozenset[str]) -
             "register it with dockerd, or change the profile's isolation"
         )
     return runtime
+
+
+def recorded(chosen: Chosen | None, runtime: str | None, egress: str | None) -> dict[str, Any]:
+    """A new session's row fields for its tier: what a restarted gateway reads back (at
+    re-adoption, wake-up and recovery) so the session keeps exactly its isolation and
+    egress policy, never its owner's defaults of the day."""
+    return {
+        "profile": chosen.name if chosen else None,
+        "runtime": runtime,
+        "egress_policy": egress,
+        "egress_grants": EgressGrants(),
+    }
 
 
 def resolve_limits(settings: Settings, requested: LimitsIn, tier: Limits | None = None) -> Limits:

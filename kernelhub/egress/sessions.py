@@ -3,7 +3,9 @@
 :class:`EgressSessions` is the session manager's collaborator (it holds no reference to
 the manager): ``choose`` picks a new session's policy within what the operator allows,
 ``bind`` serves the session's socket when its sandbox is bound to a kernel (new, adopted,
-woken or recovered: the same call), ``unbind`` stops serving it. The gate asks through the
+woken or recovered: the same call), ``unbind`` stops serving it. The policy chosen and a
+human's "for this session" answers are in the session's row (``save``), and ``restore``
+reads them back after a gateway restart. The gate asks through the
 kernel's running cell (``KernelSession.ask``), so it is answered wherever ``confirm()``
 is: REST, WebSocket, MCP elicitation, the review page.
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kernelhub.config import EgressPolicy, EgressSettings
@@ -20,7 +21,8 @@ from kernelhub.egress.policy import Answer, gate_prompt, parse_answer
 from kernelhub.egress.proxy import EgressProxy, EgressSession
 from kernelhub.errors import ConfigError, ForbiddenError
 from kernelhub.execution.engine import KernelSession
-from kernelhub.store.records import AuditEntry
+from kernelhub.store.base import Store
+from kernelhub.store.records import AuditEntry, EgressGrants, StoredSession
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +61,24 @@ def check_settings(settings: EgressSettings) -> None:
 
 
 class EgressSessions:
-    """Every live session's egress. ``audit`` stores an entry (the manager's store)."""
+    """Every live session's egress: its audit entries and answers go to ``store``."""
 
     def __init__(
         self,
         settings: EgressSettings,
         work_dir: Path,
-        audit: Callable[[AuditEntry], Awaitable[None]],
+        store: Store,
         *,
         proxy: EgressProxy | None = None,
     ) -> None:
         check_settings(settings)
         self.settings = settings
         self.proxy = proxy or EgressProxy(settings, work_dir)
-        self._audit = audit
+        self._audit = store.audit
+        self._save = store.set_egress_grants
         self._policies: dict[str, str | None] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._grants: dict[str, EgressGrants] = {}  # as last stored, for a new sandbox
+        self._tasks: set[asyncio.Future[None]] = set()
 
     def choose(self, principal: str, asked: str | None, *, fixed: str | None = None) -> str | None:
         """The policy name a new session of ``principal`` gets; ``asked``: the one the
@@ -100,8 +104,12 @@ class EgressSessions:
             )
         return asked
 
-    def remember(self, session_id: str, policy_name: str | None) -> None:
-        self._policies[session_id] = policy_name
+    def remember(self, stored: StoredSession) -> None:
+        """A session's recorded policy and answers (a new one's, or read back after a
+        restart). A row from before they were recorded keeps the owner's default."""
+        if stored.egress_grants is not None:
+            self._policies[stored.id] = stored.egress_policy
+            self._grants[stored.id] = stored.egress_grants
 
     def policy_name(self, session_id: str, owner: str) -> str | None:
         if session_id in self._policies:
@@ -120,6 +128,14 @@ class EgressSessions:
             self._spawn_audit(
                 session_id, "egress.answer", {"host": host, "port": port, "answer": answer.value}
             )
+            if answer is not Answer.ONCE:
+                # Written before the proxy acts on it: an answer given is never lost.
+                key = {(host, port)}
+                granted = session.granted | key if answer is Answer.SESSION else session.granted
+                denied = session.denied | key if answer is Answer.DENY else session.denied
+                grants = EgressGrants(granted=sorted(granted), denied=sorted(denied))
+                await self._save(session_id, grants)
+                self._grants[session_id] = grants
             return answer
 
         session = EgressSession(
@@ -133,14 +149,20 @@ class EgressSessions:
             # A new kernel for the same session keeps its human's answers and its meter.
             session.granted, session.denied = previous.granted, previous.denied
             session.meter = previous.meter
+        elif (saved := self._grants.get(session_id)) is not None:
+            session.granted, session.denied = set(saved.granted), set(saved.denied)
         try:
             await self.proxy.open(session, kernel.sandbox.session_dir.ipc_dir)
         except OSError as exc:
             # The sandbox goes on without a way out; its requests fail at the forwarder.
             log.warning("session %s: cannot serve its egress socket: %s", session_id, exc)
 
-    async def unbind(self, session_id: str) -> None:
+    async def unbind(self, session_id: str, *, ended: bool = False) -> None:
+        """Stop serving the session's socket; ``ended``: the session is gone for good."""
         await self.proxy.close_session(session_id)
+        if ended:
+            self._policies.pop(session_id, None)
+            self._grants.pop(session_id, None)
 
     async def close(self) -> None:
         await self.proxy.close()

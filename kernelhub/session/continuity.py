@@ -96,7 +96,12 @@ class Continuity:
         t0 = time.monotonic()
         kernel = await KernelSession.start(
             self.backend,
-            SandboxSpec(session_id=live.id, owner=live.stored.owner, limits=live.limits),
+            SandboxSpec(
+                session_id=live.id,
+                owner=live.stored.owner,
+                limits=live.limits,
+                runtime=live.stored.runtime,  # its tier's, after a gateway restart too
+            ),
             engine=self.settings.engine,
             first_seq=dead.last_seq,
         )
@@ -376,7 +381,12 @@ class Continuity:
         owner = Principal(name=live.stored.owner)
         kernel = await KernelSession.start(
             self.backend,
-            SandboxSpec(session_id=live.id, owner=live.stored.owner, limits=live.limits),
+            SandboxSpec(
+                session_id=live.id,
+                owner=live.stored.owner,
+                limits=live.limits,
+                runtime=live.stored.runtime,  # its tier's, after a gateway restart too
+            ),
             engine=self.settings.engine,
             first_seq=first_seq,
         )

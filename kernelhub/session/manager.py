@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 
+from kernelhub import profiles
 from kernelhub.config import Limits, Settings
 from kernelhub.egress.sessions import EgressSessions
 from kernelhub.errors import (
@@ -37,7 +38,6 @@ from kernelhub.errors import (
 )
 from kernelhub.execution.engine import KernelSession
 from kernelhub.models import Event, ExecutionStatus
-from kernelhub.profiles import check_profiles, choose_profile, resolve_limits, runtime_for
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.continuity import Continuity
 from kernelhub.session.live import LiveSession, held, in_flight_bytes, session_info
@@ -144,10 +144,10 @@ class SessionManager:
         self.hibernate, self.snapshots = cont.hibernate, cont.snapshots
         self.get_snapshot, self.delete_snapshot = cont.get_snapshot, cont.delete_snapshot
         self.when_stored, self.settled = rec.when_stored, rec.settled
-        check_profiles(settings.profiles, settings.egress)
+        profiles.check_profiles(settings.profiles, settings.egress)
         # The egress proxy reaches Docker sandboxes only (their supervisor forwards it).
         self.egress = (
-            EgressSessions(settings.egress, settings.data_dir, store.audit)
+            EgressSessions(settings.egress, settings.data_dir, store)
             if settings.egress.enabled and backend.name == "docker"
             else None
         )
@@ -247,6 +247,8 @@ class SessionManager:
     # -- sessions ----------------------------------------------------------------------
 
     def _live(self, stored: StoredSession, limits: Limits, *, warm: bool = False) -> LiveSession:
+        if self.egress is not None:
+            self.egress.remember(stored)  # after a restart: its policy, not today's default
         return LiveSession(
             stored=stored,
             limits=limits,
@@ -257,15 +259,15 @@ class SessionManager:
 
     def resolve_limits(self, requested: LimitsIn, tier: Limits | None = None) -> Limits:
         """The limits a session gets (see ``profiles.resolve_limits``)."""
-        return resolve_limits(self.settings, requested, tier)
+        return profiles.resolve_limits(self.settings, requested, tier)
 
     async def create(
         self, principal: Principal, body: SessionCreate, client: str | None = None
     ) -> SessionInfo:
-        tier = choose_profile(
+        tier = profiles.choose_profile(
             self.settings.profiles, principal.token or principal.name, body.profile
         )
-        runtime = runtime_for(tier, self.backend.name, await self.backend.runtimes())
+        runtime = profiles.runtime_for(tier, self.backend.name, await self.backend.runtimes())
         limits = self.resolve_limits(body.limits, tier.profile.limits if tier else None)
         self.storage.check(principal.name)
         egress_policy = (
@@ -324,6 +326,7 @@ class SessionManager:
             metadata=dict(body.metadata),
             reason=None,
             deleted_at=None,
+            **profiles.recorded(tier, runtime, egress_policy),
         )
         try:
             await self.store.insert_session(stored)
@@ -332,8 +335,6 @@ class SessionManager:
                 self.pool.discard(warm)
             raise
         live = self._live(stored, limits, warm=warm is not None)
-        if self.egress is not None:
-            self.egress.remember(stored.id, egress_policy)
         live.checkpoint_policy = (
             body.checkpoints if isinstance(body.checkpoints, str) else float(body.checkpoints)
         )
@@ -540,7 +541,7 @@ class SessionManager:
             if live.phase != SessionState.DELETED:  # not already on its way out
                 live.move(Transition.DELETE)
             if self.egress is not None:
-                await self.egress.unbind(live.id)
+                await self.egress.unbind(live.id, ended=True)
             if live.kernel is not None:
                 await live.kernel.close()
             if live.hibernation is not None:

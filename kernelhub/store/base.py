@@ -52,6 +52,7 @@ from kernelhub.models import Event, ExecutionRecord, ExecutionStatus
 from kernelhub.store.quota import StorageLedger
 from kernelhub.store.records import (
     AuditEntry,
+    EgressGrants,
     Principal,
     StoredBatch,
     StoredBatchItem,
@@ -148,6 +149,10 @@ class Store(ABC):
         """A new state; dead and deleted start the session's retention period.
         ``hibernation``: the snapshot a hibernated session wakes from; any other state
         clears it."""
+
+    @abstractmethod
+    def set_egress_grants(self, session_id: str, grants: EgressGrants) -> asyncio.Future[None]:
+        """The session's "for this session" egress answers (issue #25), all of them."""
 
     @abstractmethod
     async def get_session(self, session_id: str) -> StoredSession | None: ...

@@ -211,12 +211,28 @@ def _placement() -> Op[None]:
         yield Query(sql, ddl=True)
 
 
+def _tier_columns() -> Op[None]:
+    """Version 6 (issue #25): a session's trust tier (profile name), the OCI runtime it
+    gave the sandbox and its egress policy, so that a restarted gateway keeps them
+    instead of falling back to its owner's defaults. ``egress_grants`` (JSON) holds the
+    destinations a human allowed or denied "for this session"; it is NULL on the rows
+    made before this version, whose tier was never recorded."""
+    for sql in (
+        "ALTER TABLE sessions ADD COLUMN profile TEXT",
+        "ALTER TABLE sessions ADD COLUMN runtime TEXT",
+        "ALTER TABLE sessions ADD COLUMN egress_policy TEXT",
+        "ALTER TABLE sessions ADD COLUMN egress_grants TEXT",
+    ):
+        yield Query(sql, ddl=True)
+
+
 # Version N+1 is reached by MIGRATIONS[N - 1]; append, never edit or reorder.
 MIGRATIONS: list[Callable[[], Op[None]]] = [
     _storage,
     _scoped_tokens,
     _hibernation_column,
     _placement,
+    _tier_columns,
 ]
 LATEST = 1 + len(MIGRATIONS)
 

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, TypeVar
 from kernelhub.errors import StoreConflictError
 from kernelhub.store.records import (
     WEB_SESSION_PREFIX,
+    EgressGrants,
     Principal,
     StoredSession,
     StoredSnapshot,
@@ -177,7 +178,8 @@ def revoke_token(name: str) -> Op[bool]:
 # Named, not ``*``: a migration that adds a column changes no reader.
 SESSION_COLUMNS = (
     "id, owner, backend, state, created_at, limits, metadata, reason, deleted_at,"
-    " stored_bytes, hibernation_snapshot, node, lease_expires_at"
+    " stored_bytes, hibernation_snapshot, node, lease_expires_at,"
+    " profile, runtime, egress_policy, egress_grants"
 )
 
 
@@ -196,17 +198,31 @@ def session_of(r: Row) -> StoredSession:
         hibernation=r[10],
         node=r[11],
         lease_expires_at=time_of(r[12]),
+        profile=r[13],
+        runtime=r[14],
+        egress_policy=r[15],
+        egress_grants=EgressGrants.model_validate_json(r[16]) if r[16] else None,
     )
 
 
 def insert_session(s: StoredSession) -> Op[None]:
     yield Query(
         "INSERT INTO sessions (id, owner, backend, state, created_at, limits, metadata,"
-        " reason, node, lease_expires_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        " reason, node, lease_expires_at, profile, runtime, egress_policy, egress_grants)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (s.id, s.owner, s.backend, s.state, s.created_at.isoformat(), json.dumps(s.limits),
          json.dumps(s.metadata), s.reason, s.node,
-         s.lease_expires_at.isoformat() if s.lease_expires_at else None),
+         s.lease_expires_at.isoformat() if s.lease_expires_at else None, s.profile,
+         s.runtime, s.egress_policy,
+         s.egress_grants.model_dump_json() if s.egress_grants else None),
     )  # fmt: skip
+
+
+def set_egress_grants(session_id: str, grants: EgressGrants) -> Op[None]:
+    yield Query(
+        "UPDATE sessions SET egress_grants = ? WHERE id = ?",
+        (grants.model_dump_json(), session_id),
+    )
 
 
 def update_session(

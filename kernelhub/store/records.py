@@ -52,6 +52,13 @@ class TokenInfo(BaseModel):
     acts_for: str | None = None
 
 
+class EgressGrants(BaseModel):
+    """A session's "for this session" answers to its egress gate, as ``[host, port]``."""
+
+    granted: list[tuple[str, int]] = Field(default_factory=list)
+    denied: list[tuple[str, int]] = Field(default_factory=list)
+
+
 class StoredSession(BaseModel):
     id: str
     owner: str
@@ -68,6 +75,12 @@ class StoredSession(BaseModel):
     # claim holds (renewed by its heartbeat; an expired lease lets another node take it).
     node: str | None = None
     lease_expires_at: datetime | None = None
+    # Issue #25: the trust tier a restarted gateway keeps. ``egress_grants`` is None on a
+    # row made before these were recorded (its owner's default policy applies then).
+    profile: str | None = None
+    runtime: str | None = None
+    egress_policy: str | None = None
+    egress_grants: EgressGrants | None = None
 
 
 class StoredExecution(BaseModel):

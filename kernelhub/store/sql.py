@@ -29,6 +29,7 @@ from kernelhub.store.queries import Op
 from kernelhub.store.quota import StorageLedger
 from kernelhub.store.records import (
     AuditEntry,
+    EgressGrants,
     Principal,
     StoredBatch,
     StoredBatchItem,
@@ -266,6 +267,9 @@ class SqlStore(Store):
             session_id, state=state, reason=reason, deleted=deleted, hibernation=hibernation
         )
         return self._now(op)
+
+    def set_egress_grants(self, session_id: str, grants: EgressGrants) -> asyncio.Future[None]:
+        return self._now(q.set_egress_grants(session_id, grants))
 
     async def get_session(self, session_id: str) -> StoredSession | None:
         return await self._read(q.get_session(session_id))

@@ -122,13 +122,13 @@ def shared_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway
     remove_sandboxes()
 
 
-def remove_sandboxes() -> None:
+def remove_sandboxes(instance: str = f"{RUN_INSTANCE}-g") -> None:
     """A stopping gateway leaves its sandboxes running for re-adoption, on purpose; the
     tests remove them (by label, as any cleanup must)."""
     import docker
 
     client = docker.from_env()
-    label = f"org.kernelhub.instance={RUN_INSTANCE}-g"
+    label = f"org.kernelhub.instance={instance}"
     for container in client.containers.list(all=True, filters={"label": label}):
         container.remove(force=True)
     client.close()

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from kernelhub.config import DockerSettings
-from tests.conftest import UNIT
+from tests.conftest import RUN_INSTANCE, UNIT
 from tests.egress_net import Seen, dns_server, https_server, make_ca, make_wheel, simple_index
 from tests.gateway.conftest import Gateway, gateway_run_dir, remove_sandboxes
 
@@ -503,3 +503,97 @@ async def test_the_gate_is_answered_over_the_websocket_like_confirm(
                 break
     assert prompt is not None and "wsask.good.test:443" in prompt
     assert printed.strip() == "200", frames
+
+
+async def test_a_sessions_tier_policy_and_answers_survive_a_gateway_kill(
+    net: Net, http: httpx.AsyncClient
+) -> None:
+    """Issue #25: what a session was given lives in its row, not in the gateway's memory.
+    Both sessions' owners default to the wide 'test' policy, which a restarted gateway
+    that forgot would hand out."""
+    probe = (
+        "import requests\n"
+        "print(requests.get('https://api.good.test/kept', timeout=30).text)\n"
+        "try:\n    requests.get('https://secret.good.test/', timeout=30)\n"
+        "except requests.RequestException as exc:\n    print('refused:', exc)\n"
+    )
+    asked = "import requests\nprint(requests.get('https://ask.good.test/{}', timeout=90).text)\n"
+    async with httpx.AsyncClient(
+        base_url=net.gateway.url,
+        timeout=120 * UNIT,
+        headers={"Authorization": f"Bearer {net.bot}"},
+    ) as bot:
+        tight = await new_session(bot)  # the bot's tier, 'tight', fixes the 'strict' policy
+        try:
+            mine = await new_session(http)
+            r = await http.post(
+                f"/v1/sessions/{mine}/executions", json={"code": asked.format("before")}
+            )
+            eid = r.json()["id"]
+            await until_awaiting_input(http, eid)
+            await http.post(f"/v1/executions/{eid}/input", json={"value": "session"})
+            assert "/before" in text_of(await until_finished(http, eid))
+            net.gateway.kill9()
+            net.gateway.start()
+            assert (await bot.get(f"/v1/sessions/{tight}")).json()["state"] == "ready"
+            out = await run(bot, tight, probe)
+            assert "hello from api.good.test /kept" in out, out
+            assert "not on policy 'strict'" in out, out
+            # The human's "for this session" answer holds too: no second question.
+            r = await http.post(
+                f"/v1/sessions/{mine}/executions", json={"code": asked.format("after")}
+            )
+            eid = r.json()["id"]
+            deadline = asyncio.get_running_loop().time() + 60 * UNIT
+            while (info := (await http.get(f"/v1/executions/{eid}")).json())["record"] is None:
+                assert info["status"] != "awaiting_input", "asked again after the restart"
+                assert asyncio.get_running_loop().time() < deadline, "never finished"
+                await asyncio.sleep(0.05)
+            assert "hello from ask.good.test /after" in text_of(info), text_of(info)
+        finally:
+            await bot.delete(f"/v1/sessions/{tight}")
+
+
+async def test_a_hibernated_tier_session_woken_after_a_restart_keeps_its_runtime(
+    tmp_path: Any,
+) -> None:
+    """Issue #25: the wake-up sandbox of a restarted gateway gets the tier's runtime, not
+    the backend's default (for gVisor that would be a downgrade to runc). This daemon has
+    no runsc, so the backend's default is another runtime than the tier's ``runc``."""
+    instance = f"{RUN_INSTANCE}-tiers"  # its own: its start-up reaps nothing of the module's
+    gw = Gateway(
+        tmp_path / "data",
+        gateway_run_dir(),
+        KERNELHUB_DOCKER__IMAGE=IMAGE,
+        KERNELHUB_DOCKER__RUNTIME="io.containerd.runc.v2",
+        KERNELHUB_GATEWAY__INSTANCE=instance,
+        KERNELHUB_GATEWAY__HIBERNATE_AFTER=str(2 * UNIT),
+        KERNELHUB_PROFILES__TIERS=json.dumps({"plain": {"isolation": "docker"}}),
+    )
+    gw.start()
+    client = docker.from_env()
+
+    def runtime_of(sid: str) -> str:
+        (c,) = client.containers.list(filters={"label": f"org.kernelhub.session={sid}"})
+        return str(c.attrs["HostConfig"]["Runtime"])
+
+    try:
+        token = gw.token("alice")
+        async with httpx.AsyncClient(
+            base_url=gw.url, timeout=120 * UNIT, headers={"Authorization": f"Bearer {token}"}
+        ) as http:
+            sid = await new_session(http, profile="plain")
+            assert runtime_of(sid) == "runc"
+            await run(http, sid, "x = 41")
+            deadline = asyncio.get_running_loop().time() + 60 * UNIT
+            while (await http.get(f"/v1/sessions/{sid}")).json()["state"] != "hibernated":
+                assert asyncio.get_running_loop().time() < deadline, "never hibernated"
+                await asyncio.sleep(0.1)
+            gw.kill9()
+            gw.start()
+            assert "42" in await run(http, sid, "print(x + 1)")
+            assert runtime_of(sid) == "runc"
+    finally:
+        client.close()
+        gw.stop()
+        remove_sandboxes(instance)

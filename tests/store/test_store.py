@@ -15,7 +15,13 @@ from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store import migrations
 from kernelhub.store.base import Store
 from kernelhub.store.postgres import PostgresStore
-from kernelhub.store.records import AuditEntry, StoredBatch, StoredBatchItem, StoredSnapshot
+from kernelhub.store.records import (
+    AuditEntry,
+    EgressGrants,
+    StoredBatch,
+    StoredBatchItem,
+    StoredSnapshot,
+)
 from kernelhub.store.retention import RetentionSweeper
 from kernelhub.store.sql import SqlStore
 from tests.postgres import PostgresCluster
@@ -56,6 +62,30 @@ async def test_sessions_carry_their_node_and_a_lease(store: Store) -> None:
         ("s1", "dead", "oom"), ("s2", "deleted", None)
     ]  # fmt: skip
     assert every[1].deleted_at is not None
+
+
+async def test_sessions_keep_their_tier_policy_and_egress_answers_across_a_reopen(
+    store: SqlStore, opener: Opener
+) -> None:
+    tier = {"profile": "untrusted", "runtime": "runsc", "egress_policy": "strict"}
+    await store.insert_session(
+        session("s1").model_copy(update={**tier, "egress_grants": EgressGrants()})
+    )
+    await store.insert_session(session("s2"))  # as made before v6: nothing recorded
+    grants = EgressGrants(granted=[("ask.example", 443)], denied=[("no.example", 80)])
+    await store.set_egress_grants("s1", grants)
+    await store.close()
+    again = await opener()
+    try:
+        s1, s2 = await again.get_session("s1"), await again.get_session("s2")
+        assert s1 is not None and s2 is not None
+        assert (s1.profile, s1.runtime, s1.egress_policy) == ("untrusted", "runsc", "strict")
+        assert s1.egress_grants == grants
+        assert (s2.profile, s2.runtime, s2.egress_policy, s2.egress_grants) == (None,) * 4
+        listed = {s.id: s for s in await again.list_sessions("alice")}
+        assert listed["s1"].egress_grants == grants
+    finally:
+        await again.close()
 
 
 async def test_writes_are_queued_when_called_and_reads_see_them(store: SqlStore) -> None:
