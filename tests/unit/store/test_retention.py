@@ -13,22 +13,16 @@ import pytest
 
 from kernelhub.config import StorageSettings
 from kernelhub.snapshot.blobs import BlobStore
-from kernelhub.store.records import AuditEntry, StoredSession
+from kernelhub.store.records import AuditEntry
 from kernelhub.store.retention import RetentionSweeper
 from kernelhub.store.sqlite import SqliteStore
 from tests.conftest import eventually
-
-
-def session(sid: str) -> StoredSession:
-    return StoredSession(
-        id=sid, owner="alice", backend="docker", state="ready", created_at=datetime.now(UTC),
-        limits={}, metadata={}, reason=None, deleted_at=None,
-    )  # fmt: skip
+from tests.unit.store.test_storage import session
 
 
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    s = await SqliteStore.open(tmp_path / "kh.sqlite3", audit_code_bytes=64)
+    s = await SqliteStore.open(tmp_path / "kh.sqlite3")
     yield s
     await s.close()
 
@@ -38,7 +32,7 @@ async def test_the_owner_hears_of_each_purge_and_audit_kept_forever_stays(
 ) -> None:
     """(What is purged when, on every backend: tests/store/test_retention.py.)"""
     for sid in ("dead", "live"):
-        await store.insert_session(session(sid))
+        await store.insert_session(session(sid, "alice"))
     await store.update_session("dead", state="dead", reason="the kernel died")
     await store.audit(AuditEntry(principal="alice", action="execution", session_id="live"))
     purged: list[str] = []
