@@ -174,3 +174,70 @@ def test_a_read_only_token_cannot_create_a_session(
     r = client.post("/v1/sessions", json={}, headers=_auth(tokens["reader"]))
     assert r.status_code == 403, r.text
     assert r.json()["error"] == "forbidden"
+
+
+# Every session route, for a session that is not there: (method, path under the session,
+# JSON body or None).
+SESSION_ROUTES = [
+    ("POST", "/pause", None),
+    ("POST", "/resume", None),
+    ("POST", "/restart", None),
+    ("POST", "/snapshots", None),
+    ("POST", "/rewind", {"before_cell": 1}),
+    ("POST", "/executions", {"code": "1"}),
+    ("PUT", "/files/a.txt", None),
+    ("GET", "/files/a.txt", None),
+]
+
+
+@pytest.mark.parametrize(("method", "tail", "body"), SESSION_ROUTES)
+def test_each_session_route_refuses_others_and_missing_alike_and_the_owner_with_410(
+    gateway: tuple[TestClient, dict[str, str]], method: str, tail: str, body: object
+) -> None:
+    client, tokens = gateway
+    alice = _auth(tokens["alice"])
+
+    def call(sid: str) -> tuple[int, str]:
+        r = client.request(method, f"/v1/sessions/{sid}{tail}", json=body, headers=alice)
+        return r.status_code, r.json()["error"]
+
+    assert call("bobs1") == call("never") == (404, "not_found")
+    status, kind = call("dead1")
+    assert (status, kind) == (410, "session_ended"), (method, tail)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/admin/sessions"),
+        ("POST", "/v1/admin/stop-all"),
+        ("GET", "/v1/admin/audit"),
+    ],
+)
+def test_admin_routes_refuse_an_ordinary_token(
+    gateway: tuple[TestClient, dict[str, str]], method: str, path: str
+) -> None:
+    client, tokens = gateway
+    r = client.request(method, path, headers=_auth(tokens["alice"]))
+    assert r.status_code == 403 and r.json()["error"] == "forbidden", r.text
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/executions/nope", "/v1/batches/nope", "/v1/sessions/bobs1/notebook"]
+)
+def test_unknown_executions_batches_and_others_notebooks_are_404(
+    gateway: tuple[TestClient, dict[str, str]], path: str
+) -> None:
+    client, tokens = gateway
+    r = client.get(path, headers=_auth(tokens["alice"]))
+    assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
+
+
+def test_whoami_and_the_session_list_are_the_callers_own(
+    gateway: tuple[TestClient, dict[str, str]],
+) -> None:
+    client, tokens = gateway
+    me = client.get("/v1/whoami", headers=_auth(tokens["reader"]))
+    assert me.status_code == 200 and me.json()["name"] == "reader"
+    listed = client.get("/v1/sessions", headers=_auth(tokens["bob"])).json()["sessions"]
+    assert [s["id"] for s in listed] == ["bobs1"]
