@@ -1,7 +1,7 @@
 """How the stream endpoint and the session routes refuse, with the real app (its
 lifespan, a real SqliteStore in a temporary data directory, the local backend, which
 starts nothing here: no request reaches a kernel). Sessions are rows written before
-the gateway starts: one dead, one deleted, one of another owner's."""
+the gateway starts: one dead, one deleted, one of another owner's; and their snapshots."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from starlette.websockets import WebSocketDisconnect
 
 from kernelhub.config import Settings, load_settings
 from kernelhub.gateway.app import create_app
-from kernelhub.store.records import StoredSession
+from kernelhub.snapshot.blobs import BlobStore
+from kernelhub.store.records import StoredSession, StoredSnapshot
 from kernelhub.store.sqlite import SqliteStore
 from kernelhub.wire import CloseCode
 from tests.conftest import UNIT
@@ -29,6 +30,14 @@ def _row(sid: str, owner: str, state: str) -> StoredSession:
         limits={}, metadata={}, reason="the kernel died (exit 137)" if state == "dead" else None,
         deleted_at=None,
     )  # fmt: skip
+
+
+# (id, owner, session, kind): a user's snapshot, an internal one, another owner's.
+SNAPSHOTS = [
+    ("snap-a", "alice", "dead1", "snapshot"),
+    ("hib-a", "alice", "dead1", "hibernation"),
+    ("snap-b", "bob", "bobs1", "snapshot"),
+]
 
 
 async def _seed(settings: Settings) -> dict[str, str]:
@@ -45,6 +54,16 @@ async def _seed(settings: Settings) -> dict[str, str]:
         await store.update_session("gone1", state="deleted", deleted=True)
         await store.insert_session(_row("bobs1", "bob", "ready"))
         await store.update_session("bobs1", state="dead", reason="oom")
+        blobs = BlobStore(settings.data_dir)
+        for snap_id, owner, sid, kind in SNAPSHOTS:
+            blobs.path(snap_id).parent.mkdir(parents=True, exist_ok=True)
+            blobs.path(snap_id).write_bytes(b"blob")
+            await store.insert_snapshot(
+                StoredSnapshot(
+                    id=snap_id, session_id=sid, owner=owner, created_at=datetime.now(UTC),
+                    size=4, sha256="0", mac="0", metadata={"kind": kind},
+                )
+            )  # fmt: skip
         return tokens
     finally:
         await store.close()
@@ -241,3 +260,26 @@ def test_whoami_and_the_session_list_are_the_callers_own(
     assert me.status_code == 200 and me.json()["name"] == "reader"
     listed = client.get("/v1/sessions", headers=_auth(tokens["bob"])).json()["sessions"]
     assert [s["id"] for s in listed] == ["bobs1"]
+
+
+def test_snapshots_are_listed_and_deleted_by_their_owner_only(
+    gateway: tuple[TestClient, dict[str, str]],
+) -> None:
+    """A user sees the snapshots they took (not the internal ones hibernation keeps);
+    another owner's is 404 to them, as a missing one is; deleting one's own removes its
+    blob too."""
+    client, tokens = gateway
+    alice, bob = _auth(tokens["alice"]), _auth(tokens["bob"])
+    blobs = BlobStore(client.app.state.settings.data_dir)  # type: ignore[attr-defined]
+
+    def listed(headers: dict[str, str]) -> list[str]:
+        return [s["id"] for s in client.get("/v1/snapshots", headers=headers).json()["snapshots"]]
+
+    assert listed(alice) == ["snap-a"] and listed(bob) == ["snap-b"]
+    for snap_id in ("snap-b", "hib-nope"):
+        r = client.delete(f"/v1/snapshots/{snap_id}", headers=alice)
+        assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
+    assert blobs.path("snap-b").exists() and listed(bob) == ["snap-b"]
+    assert client.delete("/v1/snapshots/snap-a", headers=alice).status_code == 204
+    assert listed(alice) == [] and not blobs.path("snap-a").exists()
+    assert client.delete("/v1/snapshots/snap-a", headers=alice).status_code == 404
