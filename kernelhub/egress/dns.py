@@ -138,7 +138,8 @@ class Resolver:
         try:
             answers = await asyncio.wait_for(self._lookup(name), self.timeout)
         except (OSError, TimeoutError) as exc:
-            raise EgressRefusedError(f"cannot resolve {name}: {exc or 'timed out'}") from exc
+            why = str(exc) or "timed out"
+            raise EgressRefusedError(f"cannot resolve {name}: {why}") from exc
         if not answers:
             raise EgressRefusedError(f"{name} does not resolve")
         for address in answers:

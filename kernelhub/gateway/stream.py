@@ -38,6 +38,7 @@ from kernelhub.models import QUIET_EVENT_TYPES
 from kernelhub.replay import Replay, Verdict
 from kernelhub.session.fanout import Published, Subscriber
 from kernelhub.session.manager import LiveSession, SessionManager
+from kernelhub.session.state import SessionState
 from kernelhub.store.records import Principal, StoredExecution
 from kernelhub.wire import (
     AcceptedFrame,
@@ -65,6 +66,7 @@ router = APIRouter()
 _CLIENT_FRAME: TypeAdapter[ClientFrame] = TypeAdapter(ClientFrame)
 _REPLAY_PAGE = 500  # events, at most
 _FIRST_PAGE = 8  # then sized by replay_page
+_ENDED = (SessionState.DEAD, SessionState.DELETED)
 _MAX_FRAME_CHARS = 2_000_000
 
 
@@ -309,6 +311,9 @@ async def _send_events(
                     replay.delivered(seq)
                 if page:
                     count = replay_page(count, sum(len(b) for _, b in page), budget)
+            if live.phase in _ENDED:
+                # Its history is replayed; nothing can come after it (docs/protocol.md).
+                return CloseCode.SESSION_ENDED, f"the session has ended ({live.phase.value})"
             sub.direct = deliver if sender.now is not None else None
             sub.batch_end = batch_end if sender.flush_now is not None else None
             while (item := await sub.get()) is not None:

@@ -161,12 +161,6 @@ def test_no_token_or_a_wrong_one_is_refused_before_the_handshake(
     assert status == 401
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: docs/protocol.md says an ended session's stream closes with 4410; a session"
-    " that was dead before the gateway started gets a hello frame and then a stream that"
-    " stays open, with nothing ever to come",
-)
 def test_a_dead_sessions_stream_closes_with_4410(
     gateway: tuple[TestClient, dict[str, str]],
 ) -> None:
