@@ -610,6 +610,20 @@ class KernelSession:
     def get(self, execution_id: str) -> ExecutionHandle | None:
         return self._handles.get(execution_id)
 
+    def notice(self, message: str, execution_id: str = "") -> int:
+        """Tell every listener something kernelhub did or found (a recovery, output
+        collected after a gateway restart): a notice numbered in turn; returns its seq."""
+        seq = self._next_seq()
+        self._emit(None, NoticeEvent(execution_id=execution_id, seq=seq, message=message))
+        return seq
+
+    def announce(self, event: Event) -> Event:
+        """Give every listener an event kernelhub made itself (an execution's output and
+        final record collected after a gateway restart), renumbered in turn."""
+        event = event.model_copy(update={"seq": self._next_seq()})
+        self._emit(None, event)
+        return event
+
     # -- internals: events ------------------------------------------------------------
 
     def _retire(self, handle: ExecutionHandle) -> None:

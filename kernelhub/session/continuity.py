@@ -32,6 +32,7 @@ from kernelhub.wire import RestoreReport, RewindReport, SessionState, SnapshotIn
 
 if TYPE_CHECKING:
     from kernelhub.session.manager import LiveSession
+    from kernelhub.session.recovery import SessionRecovery
     from kernelhub.store.quota import StorageGuard
 
 log = logging.getLogger(__name__)
@@ -47,73 +48,12 @@ class Continuity:
         blobs: BlobStore
         storage: StorageGuard
         sessions: dict[str, LiveSession]
+        recovery: SessionRecovery
 
         async def _get(self, principal: Principal, session_id: str) -> LiveSession: ...
         def _bind(self, live: LiveSession, kernel: KernelSession) -> None: ...
         def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
         async def _awake(self, live: LiveSession) -> KernelSession: ...
-
-    @staticmethod
-    async def _final_out(dead: KernelSession) -> None:
-        """Let the dead kernel's running cell end (its ``kernel_died`` final record is
-        emitted from the engine's own task) before the kernel is closed; at most 3 s."""
-        for _ in range(300):
-            if dead.running is None:
-                break
-            await asyncio.sleep(0.01)
-
-    async def _recover(self, live: LiveSession, dead: KernelSession, reason: str) -> None:
-        """A fresh sandbox for the same session, restored from the last checkpoint (they
-        live in the session's state directory, which outlives sandboxes). The event stream
-        says so and names the executions whose effects were lost."""
-        await self._final_out(dead)
-        live.state = SessionState.STARTING
-        after, directory = live.checkpoints[-1]
-        saved = list(live.checkpoints)
-        lost = list(live.since_checkpoint)
-        await dead.close(keep_state=True)
-        t0 = time.monotonic()
-        kernel = await KernelSession.start(
-            self.backend,
-            SandboxSpec(session_id=live.id, owner=live.stored.owner, limits=live.limits),
-            engine=self.settings.engine,
-            first_seq=dead.last_seq,
-        )
-        self._bind(live, kernel)
-        live.checkpoints = saved
-        try:
-            result = calls.result(
-                await kernel.call(
-                    calls.restore(directory),
-                    calls.RESULT,
-                    timeout=self.settings.gateway.snapshot_timeout,
-                )
-            )
-        except BaseException:
-            live.kernel = None
-            await kernel.close()
-            raise
-        live.since_checkpoint = []
-        live.state = SessionState.READY
-        failed = dict(result.get("failed", {}))
-        message = (
-            f"the kernel died ({reason}); recovered in {time.monotonic() - t0:.2f} s in a fresh "
-            f"sandbox from the checkpoint after cell {after}"
-            + (f"; the effects of these executions were lost: {', '.join(lost)}" if lost else "")
-            + (f"; not restored: {failed}" if failed else "")
-        )
-        kernel._emit(None, NoticeEvent(execution_id="", seq=kernel._next_seq(), message=message))
-        await self.store.update_session(
-            live.id, state=SessionState.READY.value, reason=f"recovered: {reason}"
-        )
-        await self.store.audit(
-            AuditEntry(
-                principal=None,
-                action="session.recover",
-                session_id=live.id,
-                detail={"reason": reason, "checkpoint_after_cell": after, "lost": lost},
-            )
-        )
 
     # -- checkpoints and rewind -----------------------------------------------------------
 
@@ -127,6 +67,10 @@ class Continuity:
         policy = live.checkpoint_policy
         record = handle.record
         if policy == "off" or record is None or record.status != ExecutionStatus.COMPLETED:
+            return
+        if kernel.queue_length:
+            # Off the critical path: a cell already waiting runs first; the checkpoint
+            # after it covers both (recovery then names both as lost).
             return
         now = time.monotonic()
         if isinstance(policy, float) and now - live.last_checkpoint_at < policy:
@@ -146,6 +90,12 @@ class Continuity:
         live.checkpoints.append((count, name))
         live.since_checkpoint = []
         live.last_checkpoint_at = now
+        log.debug(
+            "checkpoint after cell %s of session %s: %.1f ms",
+            count,
+            live.id,
+            (time.monotonic() - now) * 1000,
+        )
         while len(live.checkpoints) > self._MAX_CHECKPOINTS:
             _, old = live.checkpoints.pop(0)
             await kernel.call_now(calls.remove(old), {}, timeout=60)
@@ -367,7 +317,7 @@ class Continuity:
             log.info("session %s hibernated (snapshot %s)", live.id, info.id)
 
     def _recoverable(self, live: LiveSession) -> bool:
-        return bool(live.checkpoints) and self.settings.gateway.recover_crashed
+        return self.recovery.will_revive(live)
 
     async def _wake(self, live: LiveSession) -> None:
         assert live.hibernation is not None

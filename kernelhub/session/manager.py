@@ -48,6 +48,7 @@ from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.continuity import Continuity
 from kernelhub.session.fanout import SessionFanout
 from kernelhub.session.pool import WarmPool
+from kernelhub.session.recovery import SessionRecovery, final_out
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store.quota import StorageGuard
 from kernelhub.store.retention import RetentionSweeper
@@ -154,6 +155,7 @@ class SessionManager(Continuity):
         self.pool = WarmPool(
             backend, settings.pool, settings.limits, self.settings.engine, room=self._pool_room
         )
+        self.recovery = SessionRecovery(self.settings, backend, store, self._bind)
 
     # -- start-up and shutdown ---------------------------------------------------------
 
@@ -347,9 +349,8 @@ class SessionManager(Continuity):
         live = LiveSession(
             stored=stored, limits=limits, fanout=self._fanout(stored.id), warm=warm is not None
         )
-        live.checkpoint_policy = (
-            body.checkpoints if isinstance(body.checkpoints, str) else float(body.checkpoints)
-        )
+        policy = self.settings.gateway.checkpoints if body.checkpoints is None else body.checkpoints
+        live.checkpoint_policy = policy if isinstance(policy, str) else float(policy)
         self.sessions[stored.id] = live
         try:
             if warm is not None:
@@ -530,18 +531,18 @@ class SessionManager(Continuity):
         if live.kernel is not kernel or live.state == SessionState.DELETED:
             return
         reason = info.reason
-        if self._recoverable(live):
-            try:
-                await self._recover(live, kernel, reason)
-                return
-            except KernelhubError as exc:
-                log.warning("session %s could not be recovered: %s", live.id, exc)
-                reason = f"{reason}; recovery from the last checkpoint failed: {exc}"
-        await self._mark_dead(live, reason)
+        try:
+            given_up = await self.recovery.revive(live, kernel, reason)
+        except KernelhubError as exc:
+            given_up = f"recovery failed: {exc}"
+        if given_up is None:
+            return
+        log.warning("session %s ends dead: %s", live.id, given_up)
+        await self._mark_dead(live, f"{reason}; {given_up}")
         # Dead for good: its container, socket directory and state tmpfs go now, not when
         # someone deletes the session (what recovery needed is no longer needed).
         if live.kernel is not None:
-            await self._final_out(live.kernel)
+            await final_out(live.kernel)
             try:
                 await live.kernel.close()
             except KernelhubError as exc:
@@ -602,6 +603,7 @@ class SessionManager(Continuity):
         running = live.kernel.running if live.kernel else None
         if running is not None and running.status == ExecutionStatus.AWAITING_INPUT:
             info.awaiting_input = running.id  # a human gate: the review page flags it
+        info.recovery = self.recovery.last(session_id)
         return info
 
     async def list_sessions(
@@ -653,6 +655,7 @@ class SessionManager(Continuity):
         await self.store.update_session(session_id, state=SessionState.DELETED.value, deleted=True)
         if live is not None:
             del self.sessions[session_id]
+            self.recovery.forget(session_id)
             self.pool.poke()
         if purge:
             await self.retention.purge(session_id)
