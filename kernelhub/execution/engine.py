@@ -218,6 +218,7 @@ class KernelSession:
         ] = OrderedDict()
         self._active: tuple[OutputCollector, ExecutionHandle, asyncio.Future[None]] | None = None
         self._between_cells: OutputCollector | None = None  # output of no cell, since the last
+        self._disowned: set[str] = set()  # requests someone else collects (see disown)
         self._pumps: list[asyncio.Task[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._exit: ExitInfo | None = None
@@ -610,6 +611,15 @@ class KernelSession:
     def get(self, execution_id: str) -> ExecutionHandle | None:
         return self._handles.get(execution_id)
 
+    def disown(self, msg_id: str, *, disowned: bool = True) -> None:
+        """Leave the messages of request ``msg_id`` to someone else: a cell that ran while
+        no gateway did, collected from the sandbox's spool (``session.salvage``), whose
+        live messages would otherwise come out a second time as output of no cell."""
+        if disowned:
+            self._disowned.add(msg_id)
+        else:
+            self._disowned.discard(msg_id)
+
     def notice(self, message: str, execution_id: str = "") -> int:
         """Tell every listener something kernelhub did or found (a recovery, output
         collected after a gateway restart): a notice numbered in turn; returns its seq."""
@@ -818,6 +828,8 @@ class KernelSession:
         if entry is None:
             if OVERSIZED_KEY in msg:
                 log.warning("session %s: dropped an oversized kernel message", self.id)
+                return
+            if parent_id in self._disowned:
                 return
             self._route_orphan(msg)
             return

@@ -49,6 +49,7 @@ from kernelhub.session.continuity import Continuity
 from kernelhub.session.fanout import SessionFanout
 from kernelhub.session.pool import WarmPool
 from kernelhub.session.recovery import SessionRecovery, final_out
+from kernelhub.session.salvage import CellSalvage, open_spool
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store.quota import StorageGuard
 from kernelhub.store.retention import RetentionSweeper
@@ -195,10 +196,11 @@ class SessionManager(Continuity):
                     live, f"could not reconnect after the gateway restarted: {exc}"
                 )
                 continue
+            spooled = open_spool(kernel)  # before the loop runs the kernel's pumps
             self._bind(live, kernel)
             live.state = SessionState.READY
             await self.store.update_session(stored.id, state=live.state.value)
-            await self._finish_orphaned_executions(live, last_seq, None)
+            await self._finish_orphaned_executions(live, last_seq, None, spooled)
             await self.store.audit(
                 AuditEntry(principal=None, action="session.adopt", session_id=stored.id)
             )
@@ -209,13 +211,25 @@ class SessionManager(Continuity):
         self._spawn(self.retention.run())
 
     async def _finish_orphaned_executions(
-        self, live: LiveSession, last_seq: int, lost: str | None
+        self,
+        live: LiveSession,
+        last_seq: int,
+        lost: str | None,
+        spooled: CellSalvage | None = None,
     ) -> None:
-        """Executions the previous process never finished: say what became of them."""
+        """Executions the previous process never finished: say what became of them. The
+        one the sandbox spooled is collected from there (``session.salvage``), in turn
+        with the session's cells."""
         for e in await self.store.unfinished_executions(live.id):
             # The stored events say whether it had started (statuses are not written to
             # the row mid-flight: that would cost a transaction per cell).
-            if not await self.store.has_started(e.id):
+            started = await self.store.has_started(e.id)
+            if started and spooled is not None and live.kernel is not None and spooled.matches(e):
+                salvage, spooled = spooled, None
+                stored = await self.store.events_of(e.id)
+                self._spawn(live.kernel.exclusive(partial(salvage.run, e, stored)))
+                continue
+            if not started:
                 status, reason = (
                     ExecutionStatus.CANCELLED,
                     "the gateway restarted before this cell ran; submit it again",
@@ -244,6 +258,8 @@ class SessionManager(Continuity):
             if live.kernel is not None:
                 live.kernel._seq = seq + 1
             await self.store.update_execution(e.id, status, record)
+        if spooled is not None:
+            spooled.release()
 
     async def close(self) -> None:
         """Detach from every session without stopping its sandbox: a restarted gateway

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,6 +21,11 @@ from tests.gateway.test_gateway import auth, new_session, run, stdout
 
 pytestmark = pytest.mark.docker
 
+IMAGE_ENV = (
+    {"KERNELHUB_DOCKER__IMAGE": os.environ["KERNELHUB_DOCKER__IMAGE"]}
+    if "KERNELHUB_DOCKER__IMAGE" in os.environ
+    else {}
+)
 OOM = "blocks = []\nwhile True:\n    blocks.append(bytearray(32 * 2**20))"
 SEGFAULT = "import ctypes\nctypes.string_at(0)"
 
@@ -96,3 +103,49 @@ async def test_a_session_without_checkpoints_restarts_empty_and_says_so(
         said = await notices(gateway, token, sid, after["events"][-1]["seq"])
         assert any("restarted empty" in n for n in said), said
         await http.delete(f"/v1/sessions/{sid}", headers=auth(token))
+
+
+COUNT_FOR_8_S = "import time\nfor i in range(80):\n    print(i, flush=True)\n    time.sleep(0.1)"
+
+
+async def test_a_gateway_killed_mid_cell_loses_no_output_and_records_the_true_outcome(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    gateway = make_gateway(**IMAGE_ENV)
+    token = gateway.token("alice")
+    h = auth(token)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as http:
+        sid = await new_session(http, token)
+        r = await http.post(
+            f"/v1/sessions/{sid}/executions", json={"code": COUNT_FOR_8_S}, headers=h
+        )
+        eid = r.json()["id"]
+        # Killed once the cell has printed a few lines (and the gateway stored them).
+        url = f"{gateway.ws_url}/v1/sessions/{sid}/stream?since=0"
+        async with connect(url, additional_headers=h) as ws:
+            seen = ""
+            while seen.count("\n") < 5:
+                frame = json.loads(await asyncio.wait_for(ws.recv(), 30 * UNIT))
+                if frame["type"] == "event" and frame["event"]["type"] == "stream":
+                    seen += frame["event"]["text"]
+    gateway.kill9()
+    gateway.start()  # about 2 s: the cell keeps printing meanwhile, to no one
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as http:
+        deadline = time.monotonic() + 60 * UNIT
+        while True:
+            execution = (await http.get(f"/v1/executions/{eid}", headers=h)).json()
+            if execution["record"] is not None:
+                break
+            assert time.monotonic() < deadline, execution
+            await asyncio.sleep(0.1)
+        record = execution["record"]
+        assert execution["status"] == "completed", record
+        assert record["ended_by"] == "reply" and record["dropped_bytes"] == 0, record
+        # The full numbered transcript: no gap, no duplicate, seqs in order.
+        assert stdout(execution) == "".join(f"{i}\n" for i in range(80)), stdout(execution)
+        seqs = [e["seq"] for e in execution["events"]]
+        assert seqs == sorted(set(seqs)), seqs
+        # The stream replays the same, and the session works on.
+        after = await run(http, token, sid, "print(i)")
+        assert stdout(after) == "79\n"
+        assert min(e["seq"] for e in after["events"]) > max(seqs)
