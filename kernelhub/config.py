@@ -119,6 +119,12 @@ class GatewaySettings(BaseModel):
     hibernate_concurrency: int = Field(
         3, ge=1, le=16, description="idle sessions hibernated at once"
     )
+    hibernate_standby: bool = Field(
+        True,
+        description="start a fresh, empty sandbox for a session as soon as it hibernates, "
+        "so that it wakes without a cold start (its namespace restored from the capture "
+        "kept in its state directory); costs an idle kernel's memory per hibernated session",
+    )
     recover_crashed: bool = Field(
         True,
         description="bring a session whose kernel died (out of memory, a segfault, any "
@@ -130,6 +136,13 @@ class GatewaySettings(BaseModel):
         description="the checkpoint policy of a session created without one: every_cell, "
         "a number (at most one every that many seconds), or off. Checkpoints are what "
         "crash recovery and rewind restore from",
+    )
+    checkpoint_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds an automatic checkpoint may take; past it the capture is "
+        "interrupted and the session's checkpoints are turned off (an object whose "
+        "pickling stalls would otherwise hold up every cell), with a notice saying so",
     )
     crash_loop_limit: int = Field(
         5,

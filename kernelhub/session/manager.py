@@ -109,6 +109,7 @@ class LiveSession:
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
     last_checkpoint_at: float = 0.0
     hibernation: str | None = None  # the snapshot a hibernated session wakes from
+    standby: asyncio.Task[KernelSession] | None = None  # its empty sandbox, to wake into
     warm: bool = False  # its sandbox came from the warm pool
     wake_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -667,6 +668,8 @@ class SessionManager(Continuity):
             if live.hibernation is not None:
                 await self.store.delete_snapshot(live.hibernation)
                 self.blobs.remove(live.hibernation)
+                await self.drop_standby(live)
+                await self.backend.drop_state(session_id)  # hibernation kept it
             await live.fanout.close()
         await self.store.update_session(session_id, state=SessionState.DELETED.value, deleted=True)
         if live is not None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.conftest import UNIT
+from tests.conftest import UNIT, eventually
 from tests.gateway.conftest import Gateway
 from tests.gateway.test_gateway import auth, new_session, run, stdout
 
@@ -149,3 +149,65 @@ async def test_a_gateway_killed_mid_cell_loses_no_output_and_records_the_true_ou
         after = await run(http, token, sid, "print(i)")
         assert stdout(after) == "79\n"
         assert min(e["seq"] for e in after["events"]) > max(seqs)
+
+
+async def test_rewind_to_before_any_cell_with_default_options(shared_gateway: Gateway) -> None:
+    gateway = shared_gateway
+    token = gateway.token(f"carol-{uuid.uuid4().hex[:6]}")
+    h = auth(token)
+
+    def cell(i: int) -> str:  # cell i prints the steps before it, then adds its own
+        return f"print(globals().get('steps'))\nsteps = (globals().get('steps') or []) + [{i}]"
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as http:
+        sid = await new_session(http, token)
+        for i in range(1, 6):
+            assert stdout(await run(http, token, sid, cell(i))).startswith(("None", "["))
+        for before in (5, 2, 4, 1, 3):
+            r = await http.post(
+                f"/v1/sessions/{sid}/rewind", json={"before_cell": before}, headers=h
+            )
+            assert r.status_code == 200, r.text
+            # The next cell is cell `before` again, and sees the state from before it.
+            again = await run(http, token, sid, cell(before))
+            assert again["record"]["execution_count"] == before, again["record"]
+            expected = None if before == 1 else list(range(1, before))
+            assert stdout(again) == f"{expected}\n", (before, r.json(), stdout(again))
+            for i in range(before + 1, 6):  # the future again, for the next rewind
+                await run(http, token, sid, cell(i))
+        await http.delete(f"/v1/sessions/{sid}", headers=h)
+
+
+async def test_a_hibernated_session_wakes_from_its_standby_sandbox_with_its_state(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    gateway = make_gateway(KERNELHUB_GATEWAY__HIBERNATE_AFTER=str(2 * UNIT), **IMAGE_ENV)
+    token = gateway.token("dave")
+    h = auth(token)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as http:
+        sid = await new_session(http, token)
+        state = "import numpy as np\nbig = np.arange(100 * 2**20 // 8, dtype='float64')"
+        await run(http, token, sid, state)  # cell 1: 100 MiB
+        await run(http, token, sid, "small = {'n': 1}")  # cell 2
+        deadline = time.monotonic() + 60 * UNIT
+        while (await http.get(f"/v1/sessions/{sid}", headers=h)).json()["state"] != "hibernated":
+            assert time.monotonic() < deadline, "never hibernated"
+            await asyncio.sleep(0.1)
+        # Its standby sandbox comes up meanwhile (an agent's next call comes much later).
+        ready = f"session {sid}: standby sandbox ready"
+        await eventually(lambda: ready in gateway.log.read_text(), 60, interval=0.1)
+        t0 = time.monotonic()
+        woke = await run(
+            http, token, sid, "print(float(big.sum()) == float(np.arange(big.size).sum()), small)"
+        )
+        elapsed = time.monotonic() - t0
+        assert stdout(woke) == "True {'n': 1}\n", woke
+        log = gateway.log.read_text()
+        line = next(x for x in log.splitlines() if f"session {sid} woke in" in x)
+        assert "on standby in 0.00 s, restored from the kept capture" in line, line
+        print(f"wake + cell: {elapsed:.2f} s; {line.split('woke in', 1)[1]}")
+        # Its checkpoints came along: rewind still reaches the cells before hibernation.
+        r = await http.post(f"/v1/sessions/{sid}/rewind", json={"before_cell": 2}, headers=h)
+        assert r.status_code == 200, r.text
+        after = await run(http, token, sid, "print('small' in globals(), big.size)")
+        assert stdout(after) == f"False {100 * 2**20 // 8}\n", after

@@ -48,7 +48,8 @@ async def test_a_session_that_stalls_pickling_does_not_hold_up_the_others(
     token = gw.token("alice")
     h = auth(token)
     async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
-        stalled = await new_session(http, token)
+        # No checkpoints: one would stall too (then turn itself off) before hibernation.
+        stalled = await new_session(http, token, checkpoints="off")
         await run(http, token, stalled, STALL)  # idle first: its hibernation starts first
         calm = await new_session(http, token)
         await run(http, token, calm, "y = 2")
@@ -83,7 +84,8 @@ async def test_a_cell_sent_during_the_capture_is_not_lost_to_hibernation(
     h = auth(token)
     slow = STALL.replace("3600", str(4 * UNIT)).replace("x = 41", "n = 1")  # a slow capture
     async with httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT) as http:
-        sid = await new_session(http, token)
+        # No checkpoints: each would be a slow capture too, and look like the hibernation.
+        sid = await new_session(http, token, checkpoints="off")
         await run(http, token, sid, slow)
 
         async def state() -> str:
