@@ -211,3 +211,26 @@ async def test_a_hibernated_session_wakes_from_its_standby_sandbox_with_its_stat
         assert r.status_code == 200, r.text
         after = await run(http, token, sid, "print('small' in globals(), big.size)")
         assert stdout(after) == f"False {100 * 2**20 // 8}\n", after
+
+
+async def test_a_checkpoint_that_stalls_turns_checkpoints_off_and_says_so(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    deadline = 3 * UNIT
+    gateway = make_gateway(KERNELHUB_GATEWAY__CHECKPOINT_TIMEOUT=str(deadline), **IMAGE_ENV)
+    token = gateway.token("erin")
+    stall = (
+        "import time\nclass Stall:\n    def __reduce__(self):\n        time.sleep(3600)\n"
+        "        return (Stall, ())\nstall = Stall()\nx = 41"
+    )
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as http:
+        sid = await new_session(http, token)
+        await run(http, token, sid, stall)
+        t0 = time.monotonic()
+        after = await run(http, token, sid, "print(x + 1)")  # waits out one checkpoint only
+        assert stdout(after) == "42\n", after
+        assert time.monotonic() - t0 < deadline + 20 * UNIT
+        again = await run(http, token, sid, "print(x + 2)")  # no checkpoint in the way now
+        assert stdout(again) == "43\n"
+        said = await notices(gateway, token, sid, again["events"][-1]["seq"])
+        assert any("checkpoints are off for this session" in n for n in said), said
