@@ -76,6 +76,12 @@ class Spool:
             self._start(parent_id, msg)
         if parent_id != self._cell:
             return
+        if msg_type not in _ALWAYS and self._written >= self.max_bytes:
+            # Full: counted without being encoded (a flood must not pay for it twice).
+            content = msg.get("content") or {}
+            self._dropped_bytes += len(str(content.get("text", ""))) or 256
+            self._dropped_messages += 1
+            return
         line: dict[str, Any] = {"m": _plain(msg)}
         if msg_type == "execute_reply":
             if self._dropped_bytes or self._dropped_messages:
