@@ -23,6 +23,7 @@ from kernelhub.image import (
 from kernelhub.kernel.connection import SessionDir
 from kernelhub.sandbox.base import SandboxSpec
 from kernelhub.sandbox.state import SANDBOX_PATH as STATE_PATH
+from kernelhub.sandbox.state import spool_bytes
 
 SHM_BYTES = 64 * 1024 * 1024
 LOG_MAX_SIZE = "1m"  # the kernel's own output goes over ZeroMQ; the log only gets crashes
@@ -69,7 +70,11 @@ def container_config(
         "labels": spec.labels(instance, gateway),
         "hostname": "sandbox",
         # Never the HMAC key: the environment is visible in `docker inspect`.
-        "environment": {"KERNELHUB_SESSION": spec.session_id},
+        "environment": {
+            "KERNELHUB_SESSION": spec.session_id,
+            # What the kernel keeps of a cell for a gateway that restarts mid-cell.
+            "KERNELHUB_SPOOL_BYTES": str(spool_bytes(spec.limits.output_bytes)),
+        },
         "user": f"{SANDBOX_UID}:{SANDBOX_GID}",
         "working_dir": WORKSPACE,
         # No network at all: not even a bridge; only the loopback interface exists.

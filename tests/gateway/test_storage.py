@@ -34,6 +34,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         KERNELHUB_STORAGE__QUOTAS=json.dumps({"alice": QUOTA}),
         KERNELHUB_STORAGE__RETENTION=str(RETENTION * UNIT),
         KERNELHUB_STORAGE__SWEEP_INTERVAL=str(0.5 * UNIT),
+        KERNELHUB_GATEWAY__RECOVER_CRASHED="false",  # a kernel that dies ends its session
     )
     gateway.start()
     yield gateway
