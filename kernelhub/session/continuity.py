@@ -27,10 +27,10 @@ from kernelhub.config import Settings
 from kernelhub.errors import KernelError, KernelhubError, NotFoundError, SessionError
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
 from kernelhub.models import ExecutionStatus
-from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
-from kernelhub.sandbox.state import state_dir
+from kernelhub.sandbox.base import SandboxBackend
 from kernelhub.session.live import LiveSession
 from kernelhub.session.recorder import Recorder
+from kernelhub.session.standby import Standby, info_modules, kept_capture, top_modules
 from kernelhub.session.state import SessionState, Transition
 from kernelhub.snapshot import calls, transfer
 from kernelhub.snapshot.blobs import BlobStore
@@ -65,6 +65,7 @@ class Continuity:
         self.storage = storage
         self._bind = bind
         self._spawn = spawn
+        self.standby = Standby(settings, backend, store)
 
     # -- checkpoints and rewind -----------------------------------------------------------
 
@@ -342,7 +343,7 @@ class Continuity:
                 live.move(Transition.HIBERNATE)
             if gateway.hibernate_standby:
                 modules = list(info_modules(await self.snapshots_store.get_snapshot(info.id)))
-                live.standby = asyncio.ensure_future(self._start_standby(live, modules))
+                live.standby = asyncio.ensure_future(self.standby.start(live, modules))
             await self.recorder.phase(live)
             await self.recorder.audit(
                 AuditEntry(
@@ -365,8 +366,8 @@ class Continuity:
         t0 = time.monotonic()
         owner = Principal(name=live.stored.owner)
         saved = list(live.checkpoints)  # still in the state directory, for rewind
-        standby = await self._standby_kernel(live)
-        kernel = standby or await self._start_kernel(live, first_seq=first_seq)
+        standby = await self.standby.take(live)
+        kernel = standby or await self.standby.start_kernel(live, first_seq=first_seq)
         kernel.advance_seq(first_seq)  # a standby numbered from when it was started
         started = time.monotonic() - t0
         self._bind(live, kernel)
@@ -400,61 +401,6 @@ class Continuity:
             + (f", not restored: {report.failed}" if report.failed else "")
         )
         kernel.notice(message)
-
-    async def _start_kernel(
-        self, live: LiveSession, modules: list[str] | None = None, *, first_seq: int | None = None
-    ) -> KernelSession:
-        """A fresh sandbox for the session; ``modules`` imported ahead (a standby's, for
-        the restore: importing numpy and pandas is a good part of it)."""
-        kernel = await KernelSession.start(
-            self.backend,
-            SandboxSpec(session_id=live.id, owner=live.stored.owner, limits=live.limits),
-            engine=self.settings.engine,
-            first_seq=first_seq
-            if first_seq is not None
-            else await self.snapshots_store.last_seq(live.id),
-        )
-        if modules:
-            code = "".join(f"__import__({m!r})\n" for m in modules)
-            with contextlib.suppress(KernelhubError):
-                await kernel.call(code, {}, timeout=60)
-        return kernel
-
-    async def _start_standby(self, live: LiveSession, modules: list[str]) -> KernelSession:
-        t0 = time.monotonic()
-        kernel = await self._start_kernel(live, modules)
-        log.info(
-            "session %s: standby sandbox ready in %.2f s (imported %s)",
-            live.id,
-            time.monotonic() - t0,
-            ", ".join(modules) or "nothing",
-        )
-        return kernel
-
-    async def _standby_kernel(self, live: LiveSession) -> KernelSession | None:
-        """The empty sandbox started when the session hibernated, if it came up and is
-        still alive (waited for if it is still starting); None: start one now."""
-        standby, live.standby = live.standby, None
-        if standby is None:
-            return None
-        try:
-            kernel = await standby
-        except KernelhubError as exc:
-            log.warning("session %s: its standby sandbox failed to start: %s", live.id, exc)
-            return None
-        if kernel.alive:
-            return kernel
-        await kernel.close(keep_state=True)
-        return None
-
-    async def drop_standby(self, live: LiveSession) -> None:
-        """Stop a hibernated session's standby sandbox (the session is being deleted)."""
-        standby, live.standby = live.standby, None
-        if standby is None:
-            return
-        standby.cancel()
-        with contextlib.suppress(BaseException):
-            await (await standby).close(keep_state=True)
 
     # -- snapshots ---------------------------------------------------------------------
 
@@ -624,31 +570,6 @@ class Continuity:
             )
         )
         return report
-
-
-def top_modules(imports: object) -> list[str]:
-    """The top-level packages a capture's ``imports`` name (``np -> numpy``)."""
-    found: set[str] = set()
-    if isinstance(imports, dict):
-        for spec in imports.values():
-            module = spec.get("module") if isinstance(spec, dict) else None
-            if isinstance(module, str) and module.split(".")[0].isidentifier():
-                found.add(module.split(".")[0])
-    return sorted(found)
-
-
-def info_modules(snap: StoredSnapshot | None) -> list[str]:
-    modules = snap.metadata.get("modules") if snap is not None else None
-    return [m for m in modules if isinstance(m, str) and m.isidentifier()] if modules else []
-
-
-def kept_capture(kernel: KernelSession, name: object) -> str | None:
-    """``name`` if that capture is still in the session's state directory on the host
-    (gone after a gateway restart reaped it, or where Docker keeps the directory)."""
-    if not isinstance(name, str) or not name.replace("-", "").isalnum():
-        return None
-    manifest = state_dir(kernel.sandbox.session_dir.root.parent, kernel.id) / name / "manifest.json"
-    return name if manifest.is_file() and not manifest.is_symlink() else None
 
 
 def hibernate_deadline(hibernate_timeout: float, snapshot_timeout: float) -> tuple[float, str]:

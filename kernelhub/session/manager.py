@@ -546,7 +546,7 @@ class SessionManager:
                 await live.kernel.close()
             if live.hibernation is not None:
                 await self.continuity.drop_snapshot(live.hibernation)
-                await self.continuity.drop_standby(live)
+                await self.continuity.standby.drop(live)
                 await self.backend.drop_state(session_id)  # hibernation kept it
             await live.fanout.close()
         await self.recorder.deleted(session_id)

@@ -36,7 +36,7 @@ async def ready_again(http: httpx.AsyncClient, token: str, sid: str) -> dict[str
         info = (await http.get(f"/v1/sessions/{sid}", headers=auth(token))).json()
         if info["state"] == "ready" and info["recovery"] is not None:
             return dict(info)
-        assert info["state"] in ("starting", "ready", "busy"), info
+        assert info["state"] in ("recovering", "ready", "busy"), info
         assert time.monotonic() < deadline, info
         await asyncio.sleep(0.05)
 
