@@ -106,14 +106,12 @@ class SessionManager:
             backend, settings.pool, settings.limits, self.settings.engine, room=self._pool_room
         )
         self.continuity = Continuity(
-            self.settings,
-            backend,
-            store,
-            self.recorder,
-            self.blobs,
-            self.storage,
-            bind=self._bind,
-            spawn=self._spawn,
+            self.settings, backend, store, self.recorder, self.blobs, self.storage,
+            bind=self._bind, spawn=self._spawn,
+        )  # fmt: skip
+        # A kernel that dies comes back (from its checkpoint, or empty), or ends dead.
+        self.recovery = SessionRecovery(
+            self.settings, backend, store, self.recorder, bind=self._bind
         )
         self.ops = Operations(
             self.settings,
@@ -139,9 +137,6 @@ class SessionManager:
         self.hibernate, self.snapshots = cont.hibernate, cont.snapshots
         self.get_snapshot, self.delete_snapshot = cont.get_snapshot, cont.delete_snapshot
         self.when_stored, self.settled = rec.when_stored, rec.settled
-        self.recovery = SessionRecovery(
-            self.settings, backend, store, self.recorder, bind=self._bind
-        )
 
     # -- start-up and shutdown ---------------------------------------------------------
 
@@ -166,7 +161,7 @@ class SessionManager:
             if sandbox is None:
                 await self._mark_dead(live, "the sandbox did not survive the gateway restart")
                 await self._finish_orphaned_executions(
-                    live, last_seq, "the sandbox was lost when the gateway restarted"
+                    live, last_seq, "the sandbox was lost when the gateway restarted", None
                 )
                 continue
             try:
@@ -194,11 +189,7 @@ class SessionManager:
         self._spawn(self.retention.run())
 
     async def _finish_orphaned_executions(
-        self,
-        live: LiveSession,
-        last_seq: int,
-        lost: str | None,
-        spooled: CellSalvage | None = None,
+        self, live: LiveSession, last_seq: int, lost: str | None, spooled: CellSalvage | None
     ) -> None:
         """Executions the previous process never finished: say what became of them. The
         one the sandbox spooled is collected from there (``session.salvage``), in turn
