@@ -148,11 +148,14 @@ async def test_work_on_a_hibernated_session_wakes_it_and_refusals_name_both_stat
     await live.fanout.close()
 
 
-def _recovery(store: SqliteStore, tmp_path: Path, backend: SandboxBackend) -> SessionRecovery:
+def _recovery(
+    store: SqliteStore, tmp_path: Path, backend: SandboxBackend, settings: Settings | None = None
+) -> SessionRecovery:
     recorder = Recorder(store, Observer(), coalesce_window=0.0)
     return SessionRecovery(
-        Settings(data_dir=tmp_path), backend, store, recorder, bind=lambda live, kernel: None
-    )
+        settings or Settings(data_dir=tmp_path), backend, store, recorder,
+        bind=lambda live, kernel: None,
+    )  # fmt: skip
 
 
 def _crashable(store: SqliteStore, phase: SessionState) -> LiveSession:
@@ -188,4 +191,22 @@ async def test_only_a_ready_session_can_crash_into_recovery(
     ):
         await recovery.revive(live, DeadKernel(), "gone")  # type: ignore[arg-type]
     assert backend.dropped == []
+    await live.fanout.close()
+
+
+async def test_a_dead_kernel_shows_recovering_while_recovery_would_revive_it(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    # No checkpoint needed (an empty restart is a recovery too); a crash loop, or
+    # recovery turned off, shows the session dead at once.
+    live = _live(store, SessionState.READY, StandInKernel(alive=False))
+    for limit, recover, state in [
+        (5, True, SessionState.RECOVERING),
+        (1, True, SessionState.DEAD),
+        (5, False, SessionState.DEAD),
+    ]:
+        settings = Settings(data_dir=tmp_path)
+        settings.gateway.crash_loop_limit, settings.gateway.recover_crashed = limit, recover
+        live.revives = _recovery(store, tmp_path, NoRoomBackend(), settings).will_revive
+        assert (live.checkpoints, live.state) == ([], state), (limit, recover)
     await live.fanout.close()
