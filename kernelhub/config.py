@@ -128,10 +128,39 @@ class GatewaySettings(BaseModel):
     hibernate_concurrency: int = Field(
         3, ge=1, le=16, description="idle sessions hibernated at once"
     )
+    hibernate_standby: bool = Field(
+        True,
+        description="start a fresh, empty sandbox for a session as soon as it hibernates, "
+        "so that it wakes without a cold start (its namespace restored from the capture "
+        "kept in its state directory); costs an idle kernel's memory per hibernated session",
+    )
     recover_crashed: bool = Field(
         True,
-        description="bring a session whose kernel died back from its last checkpoint "
-        "(sessions created with checkpoints)",
+        description="bring a session whose kernel died (out of memory, a segfault, any "
+        "death) back in a fresh sandbox: from its last checkpoint, or empty when it has "
+        "none, saying so on its stream and in its info. False: the session ends dead",
+    )
+    checkpoints: Literal["off", "every_cell"] | float = Field(
+        "every_cell",
+        description="the checkpoint policy of a session created without one: every_cell, "
+        "a number (at most one every that many seconds), or off. Checkpoints are what "
+        "crash recovery and rewind restore from",
+    )
+    checkpoint_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds an automatic checkpoint may take; past it the capture is "
+        "interrupted and the session's checkpoints are turned off (an object whose "
+        "pickling stalls would otherwise hold up every cell), with a notice saying so",
+    )
+    crash_loop_limit: int = Field(
+        5,
+        ge=1,
+        description="kernel deaths of one session within crash_loop_window seconds after "
+        "which it is not revived again and ends dead",
+    )
+    crash_loop_window: float = Field(
+        300.0, gt=0, description="seconds over which crash_loop_limit counts deaths"
     )
     snapshot_timeout: float = Field(
         600.0, gt=0, description="seconds a capture or restore may take"

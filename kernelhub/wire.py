@@ -51,11 +51,13 @@ class SessionCreate(_In):
     from_snapshot: str | None = Field(
         None, description="restore this snapshot (yours) into the new session's fresh sandbox"
     )
-    checkpoints: Literal["off", "every_cell"] | float = Field(
-        "off",
+    checkpoints: Literal["off", "every_cell"] | float | None = Field(
+        None,
         description="automatic checkpoints after successful cells: off, every_cell, or a "
-        "number = at most one every that many seconds. Incremental: only what changed is "
-        "written. They make rewind possible",
+        "number = at most one every that many seconds; omitted: the operator's default "
+        "(KERNELHUB_GATEWAY__CHECKPOINTS, every_cell unless set). Incremental: only what "
+        "changed is written, between cells. They make rewind and crash recovery with the "
+        "variables possible; off: a kernel that dies comes back empty",
     )
     profile: str | None = Field(
         None,
@@ -96,6 +98,26 @@ class SessionState(StrEnum):
     DELETED = "deleted"
 
 
+class RecoveryInfo(BaseModel):
+    """The last time the session's kernel died and kernelhub brought it back."""
+
+    at: datetime
+    reason: str = Field(description="why the kernel died (out of memory, a signal, ...)")
+    checkpoint_after_cell: int | None = Field(
+        description="the execution count whose checkpoint was restored; None: the kernel "
+        "restarted empty (no checkpoint, or restoring it failed: see message)"
+    )
+    lost: list[str] = Field(
+        description="executions whose effects were lost: those after the checkpoint, the "
+        "one that died included"
+    )
+    not_restored: dict[str, str] = Field(
+        default_factory=dict, description="variables of the checkpoint that did not load"
+    )
+    duration: float = Field(description="seconds from the death to the ready kernel")
+    message: str = Field(description="the same, in words (also sent as a notice event)")
+
+
 class SessionInfo(BaseModel):
     id: str
     owner: str
@@ -110,6 +132,9 @@ class SessionInfo(BaseModel):
     stored_bytes: int = Field(0, description="what its events and executions take in the store")
     awaiting_input: str | None = Field(
         None, description="the execution waiting on an input() or confirm() answer, if any"
+    )
+    recovery: RecoveryInfo | None = Field(
+        None, description="set once its kernel died and was brought back: the last time"
     )
     restore: RestoreReport | None = Field(None, description="set when made from a snapshot")
 

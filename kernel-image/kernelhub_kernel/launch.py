@@ -10,13 +10,15 @@ Environment read here:
 * ``PYTEST_CURRENT_TEST`` is removed: it leaks in from a test run on the host, and user
   code should not believe it runs under pytest.
 * ``IPYTHONDIR`` is kept if set, otherwise pointed at a private temp directory.
+* ``KERNELHUB_SNAPSHOTS``, ``KERNELHUB_SPOOL_BYTES``: where and how much of the running
+  cell's messages ``spool`` keeps for a gateway that restarts mid-cell.
 """
 
 import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from kernelhub_kernel import bounds, cell_log, packages, patches
+from kernelhub_kernel import bounds, cell_log, packages, patches, spool
 
 FLUSH_INTERVAL_ENV = "KERNELHUB_FLUSH_INTERVAL"
 
@@ -56,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from jupyter_client.session import Session
 
     bounds.bound_messages(Session)
+    cell_spool = spool.spool_from(os.environ)
+    if cell_spool is not None:
+        spool.install(Session, cell_spool)
     patches.never_drop_output(IPKernelApp)
     config = Config()
     patches.stream_output_live(config, flush_interval)

@@ -255,19 +255,23 @@ async def settle(kernel: Kernel) -> str:
     """After a cell whose kernel died: wait until kernelhub has recovered the session (a
     checkpointed session comes back) or given it up, and say which, for the model."""
     deadline = anyio.current_time() + _SETTLE_TIMEOUT
-    state = kernel.session.last_info.state
+    info = kernel.session.last_info
+    state = info.state
     while anyio.current_time() < deadline:
         try:
-            state = (await kernel.session.info()).state
+            info = await kernel.session.info()
+            state = info.state
         except (NotFoundError, SessionEndedError):
             state = SessionState.DEAD
         if state not in _UNSETTLED:
             break
         await anyio.sleep(0.2)
     if state in (SessionState.READY, SessionState.HIBERNATED):
+        # What came back and what was lost, as the session's info says it.
+        what = f" ({info.recovery.message})" if info.recovery is not None else ""
         return (
-            "[kernel] the kernel died and kernelhub recovered the session; variables are "
-            "as of its last checkpoint (if it has none, they are gone: re-run imports); "
+            f"[kernel] the kernel died and kernelhub recovered the session{what}; variables "
+            "are as of its last checkpoint (if it has none, they are gone: re-run imports); "
             "the next call works as usual"
         )
     return (

@@ -12,8 +12,7 @@
   (SIGINT → ``interrupt_grace`` → restart the kernel → ``restart_grace`` → kill);
 - ``record``: the final record of a cell (pure).
 
-The death watch (the sandbox reports the kernel gone → the running cell ends as
-``kernel_died``) and the public API are here.
+Here: the public API, and the death watch (kernel gone → the running cell: ``kernel_died``).
 """
 
 from __future__ import annotations
@@ -90,12 +89,9 @@ class KernelSession:
             on_input=lambda handle, event: self._desk.kernel_asked(handle, event),
         )
         self._link = KernelLink(
-            sandbox,
-            engine,
-            on_message=self._router.route,
-            on_reset=self._router.connection_reset,
-            alive=lambda: not self._closed and self._exit is None,
-        )
+            sandbox, engine, on_message=self._router.route,
+            on_reset=self._router.connection_reset, alive=lambda: self.alive,
+        )  # fmt: skip
         self._worker: CellWorker[Started] = CellWorker(self._run_user_cell)
         escalation = Escalation(
             sandbox, engine, notice=self.notice, restart=self._link.restart, dead=self._dead
@@ -480,6 +476,9 @@ class KernelSession:
 
     def get(self, execution_id: str) -> ExecutionHandle | None:
         return self._handles.get(execution_id)
+
+    def disown(self, msg_id: str, *, disowned: bool = True) -> None:
+        self._router.disown(msg_id, disowned=disowned)  # see MessageRouter.disown
 
     # -- internals: events ------------------------------------------------------------
 

@@ -68,6 +68,7 @@ class MessageRouter:
         ] = OrderedDict()
         self.active: Active | None = None
         self._between_cells: OutputCollector | None = None  # output of no cell, since the last
+        self._disowned: set[str] = set()  # requests someone else collects (see disown)
 
     def begin(self, handle: ExecutionHandle, msg_id: str) -> Active:
         """The kernel was sent ``msg_id`` for ``handle``: route its messages to a new
@@ -87,6 +88,15 @@ class MessageRouter:
         self.active = Active(collector, handle, done)
         return self.active
 
+    def disown(self, msg_id: str, *, disowned: bool = True) -> None:
+        """Leave the messages of request ``msg_id`` to someone else: a cell that ran while
+        no gateway did, collected from the sandbox's spool (``session.salvage``), whose
+        live messages would otherwise come out a second time as output of no cell."""
+        if disowned:
+            self._disowned.add(msg_id)
+        else:
+            self._disowned.discard(msg_id)
+
     def route(self, msg: dict[str, Any]) -> None:
         parent = msg.get("parent_header")
         parent_id = parent.get("msg_id") if isinstance(parent, dict) else None
@@ -97,6 +107,8 @@ class MessageRouter:
         if entry is None:
             if OVERSIZED_KEY in msg:
                 log.warning("session %s: dropped an oversized kernel message", self.session_id)
+                return
+            if parent_id in self._disowned:
                 return
             self._route_orphan(msg)
             return

@@ -27,6 +27,7 @@ from kernelhub.image import (
 from kernelhub.kernel.connection import SessionDir
 from kernelhub.sandbox.base import SandboxSpec
 from kernelhub.sandbox.state import SANDBOX_PATH as STATE_PATH
+from kernelhub.sandbox.state import spool_bytes
 
 SHM_BYTES = 64 * 1024 * 1024
 LOG_MAX_SIZE = "1m"  # the kernel's own output goes over ZeroMQ; the log only gets crashes
@@ -77,7 +78,12 @@ def container_config(
         "hostname": "sandbox",
         # Never the HMAC key (nor any egress credential): the environment is visible in
         # `docker inspect`.
-        "environment": {"KERNELHUB_SESSION": spec.session_id, **egress_env},
+        "environment": {
+            "KERNELHUB_SESSION": spec.session_id,
+            # What the kernel keeps of a cell for a gateway that restarts mid-cell.
+            "KERNELHUB_SPOOL_BYTES": str(spool_bytes(spec.limits.output_bytes)),
+            **egress_env,
+        },
         "user": f"{SANDBOX_UID}:{SANDBOX_GID}",
         "working_dir": WORKSPACE,
         # No network at all: not even a bridge; only the loopback interface exists.

@@ -43,7 +43,7 @@ from kernelhub.sandbox.files import FILES_CWD, file_error, pump_upload
 from kernelhub.sandbox.hostdirs import mount_tmpfs
 from kernelhub.sandbox.seccomp import compile_bpf
 from kernelhub.sandbox.state import SANDBOX_PATH as STATE_PATH
-from kernelhub.sandbox.state import drop_state_dir, ensure_state_dir, state_dir
+from kernelhub.sandbox.state import drop_state_dir, ensure_state_dir, spool_bytes, state_dir
 
 # System paths the kernel may read. Home directories, /root, /srv, /var and kernelhub's own
 # data directory are not among them.
@@ -197,6 +197,7 @@ class LocalSandbox(Sandbox):
             "MPLCONFIGDIR": f"{tmp}/.matplotlib",
             "IPYTHONDIR": f"{tmp}/.ipython",
             "KERNELHUB_SESSION": self.spec.session_id,
+            "KERNELHUB_SPOOL_BYTES": str(spool_bytes(self.spec.limits.output_bytes)),
             "KERNELHUB_SNAPSHOTS": STATE_PATH
             if not self.backend.unisolated
             else str(self._snapshots),

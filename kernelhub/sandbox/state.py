@@ -25,6 +25,16 @@ from kernelhub.sandbox.hostdirs import mount_tmpfs, remove_tree, unmount
 SANDBOX_PATH = "/tmp/.kernelhub"
 
 
+SPOOL_FILE = "iopub.spool"  # kernelhub_kernel.spool: the running cell's messages
+
+
+def spool_bytes(output_bytes: int) -> int:
+    """What the kernel may spool of one cell (``KERNELHUB_SPOOL_BYTES``): twice the output
+    cap and an envelope, so that the cap, applied again to the spooled messages, keeps the
+    same head and tail the live cell would have kept."""
+    return 2 * output_bytes + 2**20
+
+
 def state_dir(run_dir: Path, session_id: str) -> Path:
     return run_dir / f"{session_id}.state"
 

@@ -27,9 +27,10 @@ from kernelhub.config import Settings
 from kernelhub.errors import KernelError, KernelhubError, NotFoundError, SessionError
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
 from kernelhub.models import ExecutionStatus
-from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
+from kernelhub.sandbox.base import SandboxBackend
 from kernelhub.session.live import LiveSession
 from kernelhub.session.recorder import Recorder
+from kernelhub.session.standby import Standby, info_modules, kept_capture, top_modules
 from kernelhub.session.state import SessionState, Transition
 from kernelhub.snapshot import calls, transfer
 from kernelhub.snapshot.blobs import BlobStore
@@ -64,84 +65,13 @@ class Continuity:
         self.storage = storage
         self._bind = bind
         self._spawn = spawn
-
-    @staticmethod
-    async def final_out(dead: KernelSession) -> None:
-        """Let the dead kernel's running cell end (its ``kernel_died`` final record is
-        emitted from the engine's own task) before the kernel is closed; at most 3 s."""
-        for _ in range(300):
-            if dead.running is None:
-                break
-            await asyncio.sleep(0.01)
-
-    async def recover(self, live: LiveSession, dead: KernelSession, reason: str) -> None:
-        """A fresh sandbox for the same session, restored from the last checkpoint (they
-        live in the session's state directory, which outlives sandboxes). The event stream
-        says so and names the executions whose effects were lost. If that fails, the
-        checkpoints go with the session (the caller declares it dead)."""
-        await self.final_out(dead)
-        live.move(Transition.CRASHED)
-        try:
-            await self._recover(live, dead, reason)
-        except BaseException:
-            with contextlib.suppress(KernelhubError):
-                await self.backend.drop_state(live.id)
-            raise
-
-    async def _recover(self, live: LiveSession, dead: KernelSession, reason: str) -> None:
-        after, directory = live.checkpoints[-1]
-        saved = list(live.checkpoints)
-        lost = list(live.since_checkpoint)
-        await dead.close(keep_state=True)
-        t0 = time.monotonic()
-        kernel = await KernelSession.start(
-            self.backend,
-            SandboxSpec(
-                session_id=live.id,
-                owner=live.stored.owner,
-                limits=live.limits,
-                runtime=live.stored.runtime,  # its tier's, after a gateway restart too
-            ),
-            engine=self.settings.engine,
-            first_seq=dead.last_seq,
-        )
-        self._bind(live, kernel)
-        live.checkpoints = saved
-        try:
-            result = calls.result(
-                await kernel.call(
-                    calls.restore(directory),
-                    calls.RESULT,
-                    timeout=self.settings.gateway.snapshot_timeout,
-                )
-            )
-        except BaseException:
-            live.kernel = None
-            await kernel.close()
-            raise
-        live.since_checkpoint = []
-        live.move(Transition.RECOVERED)
-        failed = dict(result.get("failed", {}))
-        message = (
-            f"the kernel died ({reason}); recovered in {time.monotonic() - t0:.2f} s in a fresh "
-            f"sandbox from the checkpoint after cell {after}"
-            + (f"; the effects of these executions were lost: {', '.join(lost)}" if lost else "")
-            + (f"; not restored: {failed}" if failed else "")
-        )
-        kernel.notice(message)
-        await self.recorder.phase(live, reason=f"recovered: {reason}")
-        await self.recorder.audit(
-            AuditEntry(
-                principal=None,
-                action="session.recover",
-                session_id=live.id,
-                detail={"reason": reason, "checkpoint_after_cell": after, "lost": lost},
-            )
-        )
+        self.standby = Standby(settings, backend, store)
 
     # -- checkpoints and rewind -----------------------------------------------------------
 
-    _MAX_CHECKPOINTS = 32
+    # Rewind reaches back this many checkpoints; most of their files are hard links to
+    # each other's, and a full state directory drops the oldest (see _checkpoint).
+    _MAX_CHECKPOINTS = 256
 
     async def checkpoint(
         self, live: LiveSession, kernel: KernelSession, handle: ExecutionHandle
@@ -152,27 +82,66 @@ class Continuity:
         record = handle.record
         if policy == "off" or record is None or record.status != ExecutionStatus.COMPLETED:
             return
+        if kernel.queue_length:
+            # Off the critical path: a cell already waiting runs first; the checkpoint
+            # after it covers both (recovery then names both as lost).
+            return
         now = time.monotonic()
         if isinstance(policy, float) and now - live.last_checkpoint_at < policy:
             return
         count = record.execution_count or 0
         name = f"ckpt-{count}-{uuid.uuid4().hex[:6]}"
         base = live.checkpoints[-1][1] if live.checkpoints else None
-        try:
-            await kernel.call_now(
-                calls.capture(name, base),
-                calls.RESULT,
-                timeout=self.settings.gateway.snapshot_timeout,
-            )
-        except KernelhubError as exc:
-            log.warning("checkpoint after cell %s of session %s failed: %s", count, live.id, exc)
-            return
+        # Most often a failure is a full state directory (a large object changed, or a
+        # capture that could not be incremental): the older checkpoints make room for the
+        # newest, all but the last one first, then that one too.
+        for attempt in range(3):
+            try:
+                await self._capture_checkpoint(live, kernel, name, base)
+                break
+            except KernelhubError as exc:
+                if attempt == 2 or not live.checkpoints or live.checkpoint_policy == "off":
+                    log.warning(
+                        "checkpoint after cell %s of session %s failed: %s", count, live.id, exc
+                    )
+                    return
+                keep = live.checkpoints[-1:] if attempt == 0 else []
+                for _, old in live.checkpoints[: len(live.checkpoints) - len(keep)]:
+                    await kernel.call_now(calls.remove(old), {}, timeout=60)
+                live.checkpoints = keep
+                base = keep[-1][1] if keep else None
         live.checkpoints.append((count, name))
         live.since_checkpoint = []
         live.last_checkpoint_at = now
+        log.debug(
+            "checkpoint after cell %s of session %s: %.1f ms",
+            count,
+            live.id,
+            (time.monotonic() - now) * 1000,
+        )
         while len(live.checkpoints) > self._MAX_CHECKPOINTS:
             _, old = live.checkpoints.pop(0)
             await kernel.call_now(calls.remove(old), {}, timeout=60)
+
+    async def _capture_checkpoint(
+        self, live: LiveSession, kernel: KernelSession, name: str, base: str | None
+    ) -> None:
+        timeout = self.settings.gateway.checkpoint_timeout
+        t0 = time.monotonic()
+        try:
+            await kernel.call_now(calls.capture(name, base), calls.RESULT, timeout=timeout)
+        except KernelhubError:
+            with contextlib.suppress(KernelhubError):
+                await kernel.call_now(calls.remove(name), {}, timeout=60)  # what it left
+            if time.monotonic() - t0 >= timeout:
+                live.checkpoint_policy = "off"
+                kernel.notice(
+                    f"checkpoints are off for this session: one ran past {timeout:g} s "
+                    "(KERNELHUB_GATEWAY__CHECKPOINT_TIMEOUT) and was interrupted, most likely "
+                    "an object whose pickling stalls; crash recovery and rewind now have only "
+                    "the checkpoints taken so far"
+                )
+            raise
 
     async def restart(
         self, principal: Principal, live: LiveSession, kernel: KernelSession, client: str | None
@@ -330,9 +299,20 @@ class Continuity:
                 return  # in use, paused, dying, or gone meanwhile
             owner = Principal(name=live.stored.owner)
             t0 = time.monotonic()
+            # From the last checkpoint: a 100 MiB namespace checkpointed in a 128 MiB state
+            # directory has no room for a second full copy (ENOSPC), and it is faster.
+            base = live.checkpoints[-1][1] if live.checkpoints else None
+            kept = f"hib-{uuid.uuid4().hex[:12]}"
             try:
                 info = await self._capture(
-                    owner, live, kernel, None, kind="hibernation", timeout=timeout
+                    owner,
+                    live,
+                    kernel,
+                    None,
+                    kind="hibernation",
+                    timeout=timeout,
+                    base=base,
+                    keep_as=kept,
                 )
             except KernelhubError as exc:
                 live.last_active = time.monotonic()  # idle again from now before a next try
@@ -346,18 +326,24 @@ class Continuity:
                 # Used meanwhile (a cell was queued behind the capture): closing now would
                 # cut that cell short and wake to the state from before it.
                 await self.drop_snapshot(info.id)
+                self._spawn(self._remove_capture(kernel, kept))
                 log.info("session %s was used while hibernating; it stays awake", live.id)
                 return
             # Listed as hibernated only once the sandbox is really gone; a request that
             # arrives meanwhile waits (the state machine: ready, with no kernel yet), then
-            # finds it hibernated and wakes it, after this lock.
+            # finds it hibernated and wakes it, after this lock. The state directory stays:
+            # the wake restores from the capture kept there (the blob is for when it is
+            # gone: a gateway restart reaps it), and rewind from its checkpoints.
             live.kernel, live.hibernating = None, True
             try:
-                await kernel.close()
+                await kernel.close(keep_state=True)
             finally:
                 live.hibernating = False
                 live.hibernation = info.id
                 live.move(Transition.HIBERNATE)
+            if gateway.hibernate_standby:
+                modules = list(info_modules(await self.snapshots_store.get_snapshot(info.id)))
+                live.standby = asyncio.ensure_future(self.standby.start(live, modules))
             await self.recorder.phase(live)
             await self.recorder.audit(
                 AuditEntry(
@@ -379,20 +365,20 @@ class Continuity:
         assert live.hibernation is not None
         t0 = time.monotonic()
         owner = Principal(name=live.stored.owner)
-        kernel = await KernelSession.start(
-            self.backend,
-            SandboxSpec(
-                session_id=live.id,
-                owner=live.stored.owner,
-                limits=live.limits,
-                runtime=live.stored.runtime,  # its tier's, after a gateway restart too
-            ),
-            engine=self.settings.engine,
-            first_seq=first_seq,
-        )
+        saved = list(live.checkpoints)  # still in the state directory, for rewind
+        standby = await self.standby.take(live)
+        kernel = standby or await self.standby.start_kernel(live, first_seq=first_seq)
+        kernel.advance_seq(first_seq)  # a standby numbered from when it was started
+        started = time.monotonic() - t0
         self._bind(live, kernel)
         try:
-            report = await self.restore_into(owner, live, kernel, live.hibernation)
+            snap = await self.get_snapshot(owner, live.hibernation)
+            kept = kept_capture(kernel, snap.metadata.get("capture_dir"))
+            if kept is not None:
+                report = await self._restore_kept(live, kernel, snap, kept)
+                live.checkpoints = [*saved, (report.execution_count or 0, kept)]
+            else:
+                report = await self.restore_into(owner, live, kernel, live.hibernation)
         except BaseException:
             await kernel.close()
             live.kernel = None
@@ -401,6 +387,14 @@ class Continuity:
         live.move(Transition.WOKE)
         await self.recorder.phase(live, reason="")
         await self.drop_snapshot(snapshot)
+        log.info(
+            "session %s woke in %.2f s: sandbox %s in %.2f s, restored from %s",
+            live.id,
+            time.monotonic() - t0,
+            "on standby" if standby else "started",
+            started,
+            "the kept capture" if live.checkpoints else "the blob",
+        )
         message = (
             f"woke from hibernation in {time.monotonic() - t0:.2f} s: "
             f"{len(report.restored)} variables restored"
@@ -429,10 +423,24 @@ class Continuity:
         *,
         kind: str,
         timeout: float,
+        base: str | None = None,
+        keep_as: str | None = None,
     ) -> SnapshotInfo:
+        """``base``: a checkpoint to capture incrementally from (its unchanged groups are
+        hard-linked, so the state directory need not hold the namespace twice).
+        ``keep_as``: the capture's directory, left in the state directory (hibernation
+        wakes from it without moving the blob back in)."""
         session_id = live.id
-        name = f"snap-{uuid.uuid4().hex[:12]}"
+        name = keep_as or f"snap-{uuid.uuid4().hex[:12]}"
         t0 = time.monotonic()
+        if keep_as is not None:
+            # Kept in the state directory (incremental from ``base``): the wake restores
+            # from it. The blob below is the fallback for when the state directory is gone.
+            try:
+                await kernel.call(calls.capture(name, base), calls.RESULT, timeout=timeout)
+            except KernelhubError:  # a capture cut short may have left part of its files
+                self._spawn(self._remove_capture(kernel, name))
+                raise
         snapshot_id = uuid.uuid4().hex[:16]
         limit = self.settings.gateway.max_snapshot_bytes
         # Streamed from the kernel's pickler to the blob file, nothing staged in the
@@ -446,6 +454,8 @@ class Continuity:
             result = calls.result(answers)
         except BaseException:
             self.blobs.remove(snapshot_id)
+            if keep_as is not None:
+                self._spawn(self._remove_capture(kernel, name))
             raise
         metadata = {
             "kind": kind,
@@ -455,6 +465,9 @@ class Continuity:
             "skipped": {str(k): str(v) for k, v in dict(result.get("skipped", {})).items()},
             "kernel": {"size_bytes": result.get("size_bytes"), "timings": result.get("timings")},
         }
+        if keep_as is not None:
+            metadata["capture_dir"] = keep_as
+            metadata["modules"] = top_modules(result.get("imports"))
         stored = StoredSnapshot(
             id=snapshot_id,
             session_id=session_id,
@@ -477,6 +490,13 @@ class Continuity:
             )
         )
         return _snapshot_info(stored)
+
+    async def _remove_capture(self, kernel: KernelSession, name: str) -> None:
+        """Remove a capture's files in the sandbox when the kernel gets to it. Not awaited
+        by the capture: a cell queued meanwhile may run for hours, and a hibernation slot
+        must not wait for it."""
+        with contextlib.suppress(KernelhubError):
+            await kernel.call(calls.remove(name), {}, timeout=60)
 
     async def snapshots(self, principal: Principal) -> list[SnapshotInfo]:
         stored = await self.snapshots_store.list_snapshots(principal.name)
@@ -511,6 +531,26 @@ class Continuity:
             kernel.call(calls.restore_stream(name), calls.RESULT, timeout=timeout),
         )
         result = calls.result(answers)
+        return await self._restore_report(live, snap, result, time.monotonic() - t0)
+
+    async def _restore_kept(
+        self, live: LiveSession, kernel: KernelSession, snap: StoredSnapshot, directory: str
+    ) -> RestoreReport:
+        """Wake from the hibernation capture still in the state directory: no blob to
+        move in."""
+        t0 = time.monotonic()
+        result = calls.result(
+            await kernel.call(
+                calls.restore(directory),
+                calls.RESULT,
+                timeout=self.settings.gateway.snapshot_timeout,
+            )
+        )
+        return await self._restore_report(live, snap, result, time.monotonic() - t0)
+
+    async def _restore_report(
+        self, live: LiveSession, snap: StoredSnapshot, result: dict[str, Any], duration: float
+    ) -> RestoreReport:
         report = RestoreReport(
             snapshot_id=snap.id,
             restored=list(result.get("restored", [])),
@@ -518,11 +558,11 @@ class Continuity:
             skipped={str(k): str(v) for k, v in dict(result.get("skipped", {})).items()},
             rebuilt={str(k): str(v) for k, v in dict(result.get("rebuilt", {})).items()},
             execution_count=result.get("execution_count"),
-            duration=time.monotonic() - t0,
+            duration=duration,
         )
         await self.recorder.audit(
             AuditEntry(
-                principal=principal.name,
+                principal=snap.owner,
                 action="snapshot.restore",
                 session_id=live.id,
                 duration=report.duration,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kernelhub.config import Limits
@@ -45,12 +45,16 @@ class LiveSession:
     inflight: dict[str, InFlight] = field(default_factory=dict)  # by execution id
     last_active: float = field(default_factory=time.monotonic)
     recover_crashed: bool = False  # KERNELHUB_GATEWAY__RECOVER_CRASHED
+    # Whether a death now would be revived (the manager's SessionRecovery.will_revive,
+    # which knows the crash-loop limit); unset, recover_crashed alone decides.
+    revives: Callable[[LiveSession], bool] | None = None
     checkpoint_policy: str | float = "off"
     since_checkpoint: list[str] = field(default_factory=list)  # executions after the last one
     # (execution count after which it was taken, directory in the sandbox), oldest first
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
     last_checkpoint_at: float = 0.0
     hibernation: str | None = None  # the snapshot a hibernated session wakes from
+    standby: asyncio.Task[KernelSession] | None = None  # hibernated: its sandbox to wake into
     warm: bool = False  # its sandbox came from the warm pool
     hibernating: bool = False  # its sandbox is being removed for hibernation
     wake_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -61,8 +65,9 @@ class LiveSession:
 
     @property
     def recoverable(self) -> bool:
-        """Whether a crash of its kernel brings it back (from its last checkpoint)."""
-        return bool(self.checkpoints) and self.recover_crashed
+        """Whether a crash of its kernel brings it back (from its last checkpoint, or
+        empty: see ``session.recovery``)."""
+        return self.revives(self) if self.revives is not None else self.recover_crashed
 
     @property
     def state(self) -> SessionState:

@@ -44,6 +44,8 @@ from kernelhub.session.live import LiveSession, held, in_flight_bytes, session_i
 from kernelhub.session.operations import Operations
 from kernelhub.session.pool import WarmPool
 from kernelhub.session.recorder import Observer, Recorder
+from kernelhub.session.recovery import SessionRecovery, final_out
+from kernelhub.session.salvage import CellSalvage, open_spool
 from kernelhub.session.state import SessionState, Transition, closed_error
 from kernelhub.snapshot.blobs import BlobStore
 from kernelhub.store.base import Store
@@ -111,14 +113,12 @@ class SessionManager:
             backend, settings.pool, settings.limits, self.settings.engine, room=self._pool_room
         )
         self.continuity = Continuity(
-            self.settings,
-            backend,
-            store,
-            self.recorder,
-            self.blobs,
-            self.storage,
-            bind=self._bind,
-            spawn=self._spawn,
+            self.settings, backend, store, self.recorder, self.blobs, self.storage,
+            bind=self._bind, spawn=self._spawn,
+        )  # fmt: skip
+        # A kernel that dies comes back (from its checkpoint, or empty), or ends dead.
+        self.recovery = SessionRecovery(
+            self.settings, backend, store, self.recorder, bind=self._bind
         )
         self.ops = Operations(
             self.settings,
@@ -180,7 +180,7 @@ class SessionManager:
             if sandbox is None:
                 await self._mark_dead(live, "the sandbox did not survive the gateway restart")
                 await self._finish_orphaned_executions(
-                    live, last_seq, "the sandbox was lost when the gateway restarted"
+                    live, last_seq, "the sandbox was lost when the gateway restarted", None
                 )
                 continue
             try:
@@ -193,10 +193,11 @@ class SessionManager:
                     live, f"could not reconnect after the gateway restarted: {exc}"
                 )
                 continue
+            spooled = open_spool(kernel)  # before the loop runs the kernel's pumps
             self._bind(live, kernel)
             live.move(Transition.STARTED)
             await self.recorder.phase(live)
-            await self._finish_orphaned_executions(live, last_seq, None)
+            await self._finish_orphaned_executions(live, last_seq, None, spooled)
             await self.recorder.audit(
                 AuditEntry(principal=None, action="session.adopt", session_id=stored.id)
             )
@@ -207,15 +208,23 @@ class SessionManager:
         self._spawn(self.retention.run())
 
     async def _finish_orphaned_executions(
-        self, live: LiveSession, last_seq: int, lost: str | None
+        self, live: LiveSession, last_seq: int, lost: str | None, spooled: CellSalvage | None
     ) -> None:
-        """Executions the previous process never finished: say what became of them."""
+        """Executions the previous process never finished: say what became of them. The
+        one the sandbox spooled is collected from there (``session.salvage``), in turn
+        with the session's cells."""
         # The engine's numbering stays ahead of what is written here.
         next_seq = live.kernel.next_seq if live.kernel else itertools.count(last_seq + 1).__next__
         for e in await self.store.unfinished_executions(live.id):
             # The stored events say whether it had started (statuses are not written to
             # the row mid-flight: that would cost a transaction per cell).
-            if not await self.store.has_started(e.id):
+            started = await self.store.has_started(e.id)
+            if started and spooled is not None and live.kernel is not None and spooled.matches(e):
+                salvage, spooled = spooled, None
+                stored = await self.store.events_of(e.id)
+                self._spawn(live.kernel.exclusive(partial(salvage.run, e, stored)))
+                continue
+            if not started:
                 status, reason = (
                     ExecutionStatus.CANCELLED,
                     "the gateway restarted before this cell ran; submit it again",
@@ -229,6 +238,8 @@ class SessionManager:
             await self.recorder.orphaned(
                 live, e, status, reason, next_seq, state_lost=lost is not None
             )
+        if spooled is not None:
+            spooled.release()
 
     async def close(self) -> None:
         """Detach from every session without stopping its sandbox: a restarted gateway
@@ -254,6 +265,7 @@ class SessionManager:
             limits=limits,
             fanout=self.recorder.fanout(stored.id),
             recover_crashed=self.settings.gateway.recover_crashed,
+            revives=self.recovery.will_revive,
             warm=warm,
         )
 
@@ -335,9 +347,8 @@ class SessionManager:
                 self.pool.discard(warm)
             raise
         live = self._live(stored, limits, warm=warm is not None)
-        live.checkpoint_policy = (
-            body.checkpoints if isinstance(body.checkpoints, str) else float(body.checkpoints)
-        )
+        policy = self.settings.gateway.checkpoints if body.checkpoints is None else body.checkpoints
+        live.checkpoint_policy = policy if isinstance(policy, str) else float(policy)
         self.sessions[stored.id] = live
         try:
             if warm is not None:
@@ -434,18 +445,18 @@ class SessionManager:
         if live.kernel is not kernel or live.phase == SessionState.DELETED:
             return
         reason = info.reason
-        if live.recoverable:
-            try:
-                await self.continuity.recover(live, kernel, reason)
-                return
-            except KernelhubError as exc:
-                log.warning("session %s could not be recovered: %s", live.id, exc)
-                reason = f"{reason}; recovery from the last checkpoint failed: {exc}"
-        await self._mark_dead(live, reason)
+        try:
+            given_up = await self.recovery.revive(live, kernel, reason)
+        except KernelhubError as exc:
+            given_up = f"recovery failed: {exc}"
+        if given_up is None:
+            return
+        log.warning("session %s ends dead: %s", live.id, given_up)
+        await self._mark_dead(live, f"{reason}; {given_up}")
         # Dead for good: its container, socket directory and state tmpfs go now, not when
         # someone deletes the session (what recovery needed is no longer needed).
         if live.kernel is not None:
-            await Continuity.final_out(live.kernel)
+            await final_out(live.kernel)
             try:
                 await live.kernel.close()
             except KernelhubError as exc:
@@ -495,7 +506,9 @@ class SessionManager:
                 await self.store.last_seq(session_id),
             )
         last = live.kernel.last_seq if live.kernel else await self.store.last_seq(session_id)
-        return live.info(last, self.store.ledger.session_bytes(session_id))
+        info = live.info(last, self.store.ledger.session_bytes(session_id))
+        info.recovery = self.recovery.last(session_id)
+        return info
 
     async def list_sessions(
         self, principal: Principal, *, everyone: bool = False
@@ -546,10 +559,13 @@ class SessionManager:
                 await live.kernel.close()
             if live.hibernation is not None:
                 await self.continuity.drop_snapshot(live.hibernation)
+                await self.continuity.standby.drop(live)
+                await self.backend.drop_state(session_id)  # hibernation kept it
             await live.fanout.close()
         await self.recorder.deleted(session_id)
         if live is not None:
             del self.sessions[session_id]
+            self.recovery.forget(session_id)
             self.pool.poke()
         if purge:
             await self.retention.purge(session_id)

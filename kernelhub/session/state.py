@@ -12,7 +12,7 @@ see is derived from both by :func:`observe`::
        ▼                  │ │   │ └── busy    (a cell runs) │
      dead ◀─── died ──────┘ │   └──── paused  (frozen)      │
        ▲                    │ recovered                     │
-       │ failed         recovering ◀─── crashed (a checkpoint to come back from)
+       │ failed         recovering ◀─── crashed (revived: its checkpoint, or empty)
        └────────────────────┘
     every state but deleted ── delete ──▶ deleted
 
@@ -74,7 +74,7 @@ class Transition(StrEnum):
     STARTED = "started"  # its kernel answered
     FAILED = "failed"  # starting, or recovering, did not work
     DIED = "died"  # its kernel is gone and nothing brings it back
-    CRASHED = "crashed"  # its kernel is gone; a checkpoint brings it back
+    CRASHED = "crashed"  # its kernel is gone; recovery brings it back (see session.recovery)
     RECOVERED = "recovered"
     HIBERNATE = "hibernate"  # snapshotted; its sandbox is being removed
     WOKE = "woke"

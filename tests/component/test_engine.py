@@ -376,3 +376,26 @@ async def test_snapshot_moves_out_as_an_opaque_blob_and_restores_in_a_fresh_sand
     assert (await b.execute("f(int(kept.sum()))")).text == "7"
     with pytest.raises(InvalidRequestError):
         await b.sandbox.unpack_snapshot("../escape", chunks(), 1 << 30)
+
+
+async def test_the_kernel_spools_its_running_cell_bounded_by_the_sessions_output_cap(
+    open_session: SessionFactory,
+) -> None:
+    # Both backends: the spool a restarted gateway collects (session/salvage.py) is on
+    # the host, holds the latest user cell with its reply, and is bounded by this
+    # session's own cap (KERNELHUB_SPOOL_BYTES from the sandbox's environment).
+    from kernelhub.sandbox.state import SPOOL_FILE, spool_bytes, state_dir
+    from kernelhub.session.salvage import parse, read_from
+
+    s = await open_session(output_bytes=50_000)
+    bound = await s.execute("import os; print(os.environ['KERNELHUB_SPOOL_BYTES'])")
+    assert bound.stdout.strip() == str(spool_bytes(50_000))
+    await s.execute("print('spooled-' * 3)")
+    path = state_dir(s.sandbox.session_dir.root.parent, s.id) / SPOOL_FILE
+    data = read_from(path, 0, 1 << 20)
+    assert data is not None, f"no spool at {path}"
+    lines, _ = parse(data)
+    texts = [m["content"].get("text", "") for m in lines.messages]
+    types = [m["header"]["msg_type"] for m in lines.messages]
+    assert "spooled-spooled-spooled-\n" in texts and "execute_reply" in types
+    assert not any("KERNELHUB_SPOOL_BYTES" in t for t in texts)  # only the latest cell

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,15 @@ async def test_the_socket_directory_holds_no_data_and_any_tree_is_cleaned_up(
 
 
 async def test_an_oom_killed_session_releases_everything_at_once_and_can_be_deleted(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    # Dead: with recovery on (the default) the gateway would bring the session back.
+    gateway = make_gateway(KERNELHUB_GATEWAY__RECOVER_CRASHED="false", **IMAGE_ENV)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as http:
+        await _oom_killed_session_releases_everything(gateway, http)
+
+
+async def _oom_killed_session_releases_everything(
     gateway: Gateway, http: httpx.AsyncClient
 ) -> None:
     token = gateway.token("alice")
@@ -168,6 +178,7 @@ async def test_dead_sessions_count_against_the_principal_quota(tmp_path: Path) -
         tmp_path / "data",
         _run_dir(),
         KERNELHUB_GATEWAY__MAX_SESSIONS_PER_PRINCIPAL="1",
+        KERNELHUB_GATEWAY__RECOVER_CRASHED="false",  # a kernel that dies ends its session
         **IMAGE_ENV,
     )
     gw.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import docker
@@ -81,8 +82,15 @@ async def test_an_ended_session_is_410_for_its_owner_and_404_for_anyone_else(
 
 
 async def test_a_dead_session_answers_reads_and_delete_and_refuses_work_with_410(
-    gateway: Gateway, http: httpx.AsyncClient
+    make_gateway: Callable[..., Gateway],
 ) -> None:
+    # Dead: with recovery on (the default) the gateway would bring the session back.
+    gateway = make_gateway(KERNELHUB_GATEWAY__RECOVER_CRASHED="false")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as http:
+        await _dead_session_answers(gateway, http)
+
+
+async def _dead_session_answers(gateway: Gateway, http: httpx.AsyncClient) -> None:
     alice = gateway.token("alice")
     sid = await new_session(http, alice)
     client = docker.from_env()

@@ -35,6 +35,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         KERNELHUB_STORAGE__QUOTAS=json.dumps({"alice": QUOTA, "quinn": QUOTA}),
         KERNELHUB_STORAGE__RETENTION=str(RETENTION * UNIT),
         KERNELHUB_STORAGE__SWEEP_INTERVAL=str(0.5 * UNIT),
+        KERNELHUB_GATEWAY__RECOVER_CRASHED="false",  # a kernel that dies ends its session
     )
     gateway.start()
     yield gateway

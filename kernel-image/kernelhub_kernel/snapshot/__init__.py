@@ -178,6 +178,7 @@ def _run(operation: Callable[[Any, Any], dict[str, Any]]) -> dict[str, Any]:
     session = _session_for(shell)
     session.tracker.mark_own_execute()
     started = time.perf_counter()
+    session.tracker.settle()  # cells analyzed now, not while they ran (restore: harmless)
     with _gc_paused(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = operation(shell, session)

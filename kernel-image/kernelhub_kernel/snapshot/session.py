@@ -85,6 +85,9 @@ class _Tracker:
         self.from_imports: dict[str, tuple[str, str]] = {}
         self._saw_cell = False
         self._own = False
+        # Cells not analyzed yet: the analysis (~1-3 ms a cell, IPython's transform and an
+        # AST walk) runs at the next capture, between cells, not inside each cell.
+        self._pending: list[str] = []
 
     def install(self) -> None:
         events = self._shell.events
@@ -109,6 +112,24 @@ class _Tracker:
     def reset(self) -> None:
         self.names = set()
         self.all_dirty = False
+        self._pending = []
+
+    def settle(self) -> None:
+        """Analyze the cells that ran since the last call (every capture calls it first).
+        Against the namespace as it is now: a name a later cell rebound is caught by its
+        ``id()`` anyway."""
+        pending, self._pending = self._pending, []
+        ns = self._shell.user_ns
+        for raw in pending:
+            try:
+                usage = analyze_cell(raw, ns, self._shell.transform_cell)
+                if usage.unknown:
+                    self.all_dirty = True
+                self.names |= usage.mutated
+                self.names |= _globals_used_by(usage.called, ns)
+                self.from_imports.update(usage.from_imports)
+            except Exception:
+                self.all_dirty = True
 
     def _pre_execute(self) -> None:
         self._saw_cell = False
@@ -122,18 +143,11 @@ class _Tracker:
         self._own = False
 
     def _post_run_cell(self, result: Any) -> None:
-        try:
-            info = getattr(result, "info", None)
-            raw = getattr(info, "raw_cell", None)
-            if not isinstance(raw, str):
-                self.all_dirty = True
-                return
-            ns = self._shell.user_ns
-            usage = analyze_cell(raw, ns, self._shell.transform_cell)
-            if usage.unknown:
-                self.all_dirty = True
-            self.names |= usage.mutated
-            self.names |= _globals_used_by(usage.called, ns)
-            self.from_imports.update(usage.from_imports)
-        except Exception:
+        info = getattr(result, "info", None)
+        raw = getattr(info, "raw_cell", None)
+        if not isinstance(raw, str):
             self.all_dirty = True
+            return
+        self._pending.append(raw)
+        if len(self._pending) >= 256:  # no capture for a long while: keep memory bounded
+            self.settle()

@@ -1,6 +1,6 @@
 """A live session's state comes from the state machine, the operations act on its
 verdicts (run, wake first, or refuse naming both states), and a crash recovery that
-cannot start a sandbox drops the checkpoints (stand-in kernels and backend; the real
+cannot start a sandbox gives up and drops the checkpoints (stand-in kernels and backend; the real
 ones are exercised end to end in tests/gateway)."""
 
 from __future__ import annotations
@@ -12,16 +12,14 @@ from typing import Any
 
 import pytest
 
-from kernelhub.config import Limits, Settings, StorageSettings
+from kernelhub.config import Limits, Settings
 from kernelhub.errors import SandboxError, SessionClosedError, SessionStateError
 from kernelhub.sandbox.base import Sandbox, SandboxBackend, SandboxSpec
-from kernelhub.session.continuity import Continuity
 from kernelhub.session.live import LiveSession, held
 from kernelhub.session.operations import Operations
 from kernelhub.session.recorder import Observer, Recorder
+from kernelhub.session.recovery import SessionRecovery
 from kernelhub.session.state import Operation, SessionState, Transition, Verdict
-from kernelhub.snapshot.blobs import BlobStore
-from kernelhub.store.quota import StorageGuard
 from kernelhub.store.records import Principal, StoredSession
 from kernelhub.store.sqlite import SqliteStore
 
@@ -150,12 +148,13 @@ async def test_work_on_a_hibernated_session_wakes_it_and_refusals_name_both_stat
     await live.fanout.close()
 
 
-def _continuity(store: SqliteStore, tmp_path: Path, backend: SandboxBackend) -> Continuity:
+def _recovery(
+    store: SqliteStore, tmp_path: Path, backend: SandboxBackend, settings: Settings | None = None
+) -> SessionRecovery:
     recorder = Recorder(store, Observer(), coalesce_window=0.0)
-    guard = StorageGuard(StorageSettings(min_free_bytes=0), store.ledger, tmp_path)
-    return Continuity(
-        Settings(data_dir=tmp_path), backend, store, recorder, BlobStore(tmp_path), guard,
-        bind=lambda live, kernel: None, spawn=lambda coro: None,
+    return SessionRecovery(
+        settings or Settings(data_dir=tmp_path), backend, store, recorder,
+        bind=lambda live, kernel: None,
     )  # fmt: skip
 
 
@@ -170,8 +169,8 @@ async def test_a_recovery_that_cannot_start_a_sandbox_drops_the_checkpoints(
 ) -> None:
     backend = NoRoomBackend()
     live, dead = _crashable(store, SessionState.READY), DeadKernel()
-    with pytest.raises(SandboxError, match="no room"):
-        await _continuity(store, tmp_path, backend).recover(live, dead, "out of memory")  # type: ignore[arg-type]
+    given_up = await _recovery(store, tmp_path, backend).revive(live, dead, "out of memory")  # type: ignore[arg-type]
+    assert given_up is not None and "no room" in given_up
     # The dead sandbox was closed keeping its state for the successor that never came;
     # the state (its checkpoints) goes now, and the session is recovering until the
     # caller declares it dead.
@@ -186,10 +185,28 @@ async def test_only_a_ready_session_can_crash_into_recovery(
 ) -> None:
     backend = NoRoomBackend()
     live = _crashable(store, SessionState.HIBERNATED)
-    continuity = _continuity(store, tmp_path, backend)
+    recovery = _recovery(store, tmp_path, backend)
     with pytest.raises(
         SessionStateError, match="a hibernated session cannot take the transition 'crashed'"
     ):
-        await continuity.recover(live, DeadKernel(), "gone")  # type: ignore[arg-type]
+        await recovery.revive(live, DeadKernel(), "gone")  # type: ignore[arg-type]
     assert backend.dropped == []
+    await live.fanout.close()
+
+
+async def test_a_dead_kernel_shows_recovering_while_recovery_would_revive_it(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    # No checkpoint needed (an empty restart is a recovery too); a crash loop, or
+    # recovery turned off, shows the session dead at once.
+    live = _live(store, SessionState.READY, StandInKernel(alive=False))
+    for limit, recover, state in [
+        (5, True, SessionState.RECOVERING),
+        (1, True, SessionState.DEAD),
+        (5, False, SessionState.DEAD),
+    ]:
+        settings = Settings(data_dir=tmp_path)
+        settings.gateway.crash_loop_limit, settings.gateway.recover_crashed = limit, recover
+        live.revives = _recovery(store, tmp_path, NoRoomBackend(), settings).will_revive
+        assert (live.checkpoints, live.state) == ([], state), (limit, recover)
     await live.fanout.close()

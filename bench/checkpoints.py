@@ -1,0 +1,141 @@
+"""What default checkpoints cost a cell: a session holding ~100 MiB of state runs small
+cells with checkpoints on (the default) and off, in the same gateway, in alternating blocks.
+
+    python bench/checkpoints.py [--cells 60] [--think 0.2] [--out docs/bench-checkpoints.md]
+
+Two sessions, created alike (1 GiB of memory), each given the same ~100 MiB namespace (a
+float array, a DataFrame, a dict of small values) and then the same small cells, one at a
+time over REST (``wait=True``), in blocks of ten alternating between the two sessions so
+that both see the same machine load. A cell's latency is the REST round trip; the checkpoint's cost is
+the difference between the sessions. The round trip is httpx's, as in
+``bench/suite.py``'s REST row. Between two cells the client waits ``--think``
+seconds, as an agent does while its model writes the next cell (seconds, usually: 0.2 s
+is a fast agent); ``--think 0`` sends each cell as soon as the previous answered, the
+worst case for a checkpoint taken between cells. The floor is the same session with
+checkpoints off. The checkpoint itself (an incremental capture: only what the cell may
+have changed is pickled again, the rest hard-linked) runs between cells; the cell tracking
+it needs is analyzed at the checkpoint too, not inside the cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from gateway import Gateway, create_session, delete_session, rest_roundtrip
+from report import MiB, ms, quantile
+
+STATE = """\
+import numpy as np, pandas as pd
+big = np.random.default_rng(1).random(50 * 2**20 // 8)
+frame = pd.DataFrame({'a': np.arange(2**20 * 3, dtype='int64'), 'b': np.ones(2**20 * 3)})
+small = {f'k{i}': i for i in range(1000)}
+counter = 0
+"""
+BLOCK = 10
+BETWEEN_BLOCKS = 0.5
+CELLS = [
+    "counter += 1",
+    "small['k1'] = counter",
+    "total = float(big[:1000].sum())",
+    "rows = len(frame)",
+    "note = f'step {counter}'",
+]
+
+
+async def cell_latencies(
+    gw: Gateway, sids: dict[str, str], cells: int, think: float
+) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {mode: [] for mode in sids}
+    clients = {mode: gw.client() for mode in sids}  # one keep-alive connection each
+    try:
+        for mode, sid in sids.items():
+            r = await clients[mode].post(
+                f"/v1/sessions/{sid}/executions", json={"code": STATE, "wait": True}
+            )
+            assert r.json()["status"] == "completed", r.text[:400]
+        # Blocks of BLOCK cells per session, alternating: with no think time, a session's
+        # checkpoint would otherwise run while the other session's cell does, and charge
+        # the other one for it (2 cores); between blocks, an unmeasured pause lets it end.
+        for start in range(0, cells, BLOCK):
+            for mode, sid in sids.items():
+                for i in range(start, min(start + BLOCK, cells)):
+                    if think:
+                        await asyncio.sleep(think)
+                    code = CELLS[i % len(CELLS)]
+                    out[mode].append(await rest_roundtrip(clients[mode], sid, code))
+                await asyncio.sleep(BETWEEN_BLOCKS)
+    finally:
+        for c in clients.values():
+            await c.aclose()
+    return out
+
+
+async def measure(cells: int, think: float) -> dict[str, list[float]]:
+    with tempfile.TemporaryDirectory(prefix="kh-bench-ckpt-") as tmp:
+        instance = f"bck-{uuid.uuid4().hex[:6]}"
+        gw = await Gateway.launch(
+            Path(tmp), instance=instance, env={"KERNELHUB_GATEWAY__HIBERNATE_AFTER": "3600"}
+        )
+        try:
+            async with gw.client() as http:
+                limits = {"memory_bytes": 1024 * MiB}
+                sids = {
+                    "on": await create_session(
+                        http, {"limits": limits, "checkpoints": "every_cell"}
+                    ),
+                    "off": await create_session(http, {"limits": limits, "checkpoints": "off"}),
+                }
+                try:
+                    return await cell_latencies(gw, sids, cells, think)
+                finally:
+                    for sid in sids.values():
+                        await delete_session(http, sid)
+        finally:
+            await gw.stop()
+
+
+def report(results: dict[float, dict[str, list[float]]]) -> str:
+    lines = [
+        "| think time | checkpoints | mean | p50 | p99 | added to the mean |",
+        "|---|---|---|---|---|---|",
+    ]
+    for think, m in results.items():
+        base = statistics.fmean(m["off"])
+        for mode in ("off", "on"):
+            s = m[mode]
+            mean = statistics.fmean(s)
+            added = "floor" if mode == "off" else f"{(mean - base) / base * 100:+.1f}%"
+            lines.append(
+                f"| {think:g} s | {mode} | {ms(mean)} | {ms(quantile(s, 0.5))} "
+                f"| {ms(quantile(s, 0.99))} | {added} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", type=int, default=60)
+    parser.add_argument("--think", type=float, action="append")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    thinks = args.think or [0.2, 0.0]
+    t0 = time.monotonic()
+    results = {t: asyncio.run(measure(args.cells, t)) for t in thinks}
+    text = (
+        report(results)
+        + f"\n{args.cells} cells per session and think time, {time.monotonic() - t0:.0f} s in all.\n"
+    )
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

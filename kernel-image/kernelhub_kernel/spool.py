@@ -1,0 +1,157 @@
+"""Keep the running cell's messages in the sandbox, so a gateway that crashes mid-cell
+loses none of its output.
+
+ZeroMQ's PUB socket drops what it publishes while no gateway is subscribed, and the
+ROUTER drops an ``execute_reply`` whose peer is gone. So every message the kernel sends
+for the current *user* cell (its iopub output and status, and its shell reply) is also
+appended, as one JSON line, to ``iopub.spool`` in the session's state directory
+(``KERNELHUB_SNAPSHOTS``, default ``/tmp/.kernelhub``: on the host beside the sandbox,
+where a restarted gateway reads it; see ``kernelhub.session.salvage``).
+
+The file holds one cell, the latest: it is emptied when the next user cell starts (its
+``execute_input``; silent executes, the host's own calls, never touch it). Lines::
+
+    {"cell": "<request msg_id>", "code_sha256": "...", "t": 1733100000.0}
+    {"m": {"header": ..., "parent_header": ..., "metadata": ..., "content": ...}}
+    ...
+    {"dropped_bytes": 123, "dropped_messages": 4}     (before the reply, if any dropped)
+    {"m": {... "execute_reply" ...}, "t": 1733100008.1}
+
+Bounded: once a cell's lines pass ``KERNELHUB_SPOOL_BYTES`` (the host sets it from the
+session's output cap; default 24 MiB) only the protocol's bookkeeping (status,
+execute_input, the reply) is written, and the rest is counted. A write that fails (the
+state directory full) drops that message and is counted the same way. Never raises into
+the kernel: losing the spool only loses what it was for.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+SPOOL_FILE = "iopub.spool"
+SPOOL_BYTES_ENV = "KERNELHUB_SPOOL_BYTES"
+DEFAULT_SPOOL_BYTES = 24 << 20
+_ALWAYS = frozenset({"status", "execute_input", "execute_reply"})
+
+
+class Spool:
+    """The current cell's messages, appended to ``path`` (see the module)."""
+
+    def __init__(self, path: str, max_bytes: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._cell: str | None = None
+        self._busy: dict[str, Any] = {}  # parent msg_id -> its `busy`, until we know the cell
+        self._written = 0
+        self._dropped_bytes = 0
+        self._dropped_messages = 0
+
+    def record(self, msg: Mapping[str, Any]) -> None:
+        try:
+            with self._lock:
+                self._record(msg)
+        except Exception:  # never into the kernel's send path
+            self._dropped_messages += 1
+
+    def _record(self, msg: Mapping[str, Any]) -> None:
+        header = msg.get("header") or {}
+        parent = msg.get("parent_header") or {}
+        msg_type = header.get("msg_type")
+        parent_id = parent.get("msg_id")
+        if not isinstance(parent_id, str):
+            return
+        if msg_type == "status" and parent_id != self._cell:
+            # The `busy` of a request comes before we know whether it is a user cell.
+            if (msg.get("content") or {}).get("execution_state") == "busy":
+                self._busy = {parent_id: msg}
+            return
+        if msg_type == "execute_input":
+            self._start(parent_id, msg)
+        if parent_id != self._cell:
+            return
+        if msg_type not in _ALWAYS and self._written >= self.max_bytes:
+            # Full: counted without being encoded (a flood must not pay for it twice).
+            content = msg.get("content") or {}
+            self._dropped_bytes += len(str(content.get("text", ""))) or 256
+            self._dropped_messages += 1
+            return
+        line: dict[str, Any] = {"m": _plain(msg)}
+        if msg_type == "execute_reply":
+            if self._dropped_bytes or self._dropped_messages:
+                self._write(
+                    {
+                        "dropped_bytes": self._dropped_bytes,
+                        "dropped_messages": self._dropped_messages,
+                    },
+                    force=True,
+                )
+            line["t"] = time.time()
+        self._write(line, force=msg_type in _ALWAYS)
+
+    def _start(self, cell: str, execute_input: Mapping[str, Any]) -> None:
+        if self._fd is None:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._fd = os.open(self.path, flags, 0o600)
+        os.ftruncate(self._fd, 0)
+        self._cell = cell
+        self._written = 0
+        self._dropped_bytes = self._dropped_messages = 0
+        code = str((execute_input.get("content") or {}).get("code", ""))
+        digest = hashlib.sha256(code.encode("utf-8", "surrogatepass")).hexdigest()
+        self._write({"cell": cell, "code_sha256": digest, "t": time.time()}, force=True)
+        busy = self._busy.pop(cell, None)
+        if busy is not None:
+            self._write({"m": _plain(busy)}, force=True)
+
+    def _write(self, line: dict[str, Any], *, force: bool) -> None:
+        data = (json.dumps(line, default=str, ensure_ascii=False) + "\n").encode(
+            "utf-8", "surrogatepass"
+        )
+        if self._fd is None or (not force and self._written + len(data) > self.max_bytes):
+            self._dropped_bytes += len(data)
+            self._dropped_messages += 1
+            return
+        try:
+            os.write(self._fd, data)
+        except OSError:
+            self._dropped_bytes += len(data)
+            self._dropped_messages += 1
+            return
+        self._written += len(data)
+
+
+def _plain(msg: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: msg.get(k) for k in ("header", "parent_header", "metadata", "content")}
+
+
+def spool_from(environ: Mapping[str, str]) -> Spool | None:
+    """The spool for this kernel, or None where there is no state directory to keep it."""
+    directory = environ.get("KERNELHUB_SNAPSHOTS", "/tmp/.kernelhub")
+    if not os.path.isdir(directory):
+        return None
+    try:
+        max_bytes = int(environ.get(SPOOL_BYTES_ENV, DEFAULT_SPOOL_BYTES))
+    except ValueError:
+        max_bytes = DEFAULT_SPOOL_BYTES
+    return Spool(os.path.join(directory, SPOOL_FILE), max(max_bytes, 0))
+
+
+def install(session_class: Any, spool: Spool) -> None:
+    """Record every message ``session_class.send`` sends (iopub and shell alike)."""
+    send = session_class.send
+
+    def send_and_spool(self: Any, *args: Any, **kwargs: Any) -> Any:
+        msg = send(self, *args, **kwargs)
+        if isinstance(msg, dict):
+            with contextlib.suppress(Exception):
+                spool.record(msg)
+        return msg
+
+    session_class.send = send_and_spool
