@@ -193,10 +193,13 @@ def test_the_prebuilt_font_cache_spares_matplotlib_a_rebuild(
 def test_nothing_that_builds_installs_or_escalates_is_on_board(
     docker_client: docker.DockerClient, kernel_image: ImageInfo
 ) -> None:
-    tools = ["gcc", "cc", "make", "pip", "pip3", "sudo", "curl", "wget"]
+    tools = ["gcc", "cc", "make", "sudo", "curl", "wget"]
+    # `pip` is kernelhub's own front door to uv (issue #25: installs into the session's
+    # workspace, by policy), never pip itself: the script says so, and pip is not there.
     script = (
         f"for t in {' '.join(tools)}; do command -v $t; done; "
         "find /var/lib/apt/lists /var/cache/apt -type f; "
+        "grep -L kernelhub_kernel.packages /opt/kernel/bin/pip /opt/kernel/bin/pip3; "
         f"test ! -e /opt/kernel/lib/python*/site-packages/pip && {KERNEL_PYTHON} -c 'import sys'"
     )
     result = run(docker_client, kernel_image.name, ["sh", "-c", script])
