@@ -283,20 +283,8 @@ class KernelSession:
         """Queue a cell. ``timeout`` in seconds; ``None`` means no limit; default: the
         session's ``cell_timeout``. Refused while the session is paused. With
         ``keep_events=False`` the handle keeps only the final event (consume the rest
-        through a listener)."""
-        return self.submit_nowait(
-            code, timeout=timeout, execution_id=execution_id, keep_events=keep_events
-        )
-
-    def submit_nowait(
-        self,
-        code: str,
-        *,
-        timeout: float | None = _UNSET,
-        execution_id: str | None = None,
-        keep_events: bool = True,
-    ) -> ExecutionHandle:
-        """:meth:`submit`, which never has to wait: for callers that are not coroutines."""
+        through a listener). Never suspends: awaited from an eager start (the WebSocket's
+        fast path), an idle kernel has the request before this returns."""
         self._check_open()
         if self._gate.paused:
             raise SessionError("the session is paused; resume it before executing")
@@ -439,24 +427,20 @@ class KernelSession:
         """Run kernelhub's own ``code`` in the kernel, in turn after the cells queued before
         it, silently (no execution count, no history, no events to listeners), and return
         the kernel's answers for ``expressions`` (Jupyter ``user_expressions``). Raises
-        ``KernelError`` if the code failed (with the kernel's traceback)."""
+        ``KernelError`` if the code failed (with the kernel's traceback). From the worker
+        itself (an :meth:`exclusive` operation, the ``after_cell`` hook) it runs at once:
+        the kernel is already ours, and queueing behind ourselves would never return."""
         self._check_open()
+        handle = ExecutionHandle(uuid.uuid4().hex, code, timeout, internal=dict(expressions))
+        if self._tasks and asyncio.current_task() is self._tasks[0]:
+            await self._run(handle, None)
+            return handle.answers(await handle.wait())
         if self._gate.paused:
             raise SessionError("the session is paused; resume it first")
-        handle = ExecutionHandle(uuid.uuid4().hex, code, timeout, internal=dict(expressions))
         self._handles[handle.id] = handle
         if self._exit is not None:
             raise KernelDiedError(self._exit.reason)
         self._worker.enqueue(handle)
-        return handle.answers(await handle.wait())
-
-    async def call_now(
-        self, code: str, expressions: dict[str, str], *, timeout: float | None
-    ) -> dict[str, Any]:
-        """Like :meth:`call`, but at once: only from inside :meth:`exclusive` or the
-        ``after_cell`` hook, where the worker is already ours."""
-        handle = ExecutionHandle(uuid.uuid4().hex, code, timeout, internal=dict(expressions))
-        await self._run(handle, None)
         return handle.answers(await handle.wait())
 
     async def exclusive(self, operation: Callable[[], Awaitable[T]]) -> T:

@@ -107,7 +107,7 @@ class Continuity:
                     return
                 keep = live.checkpoints[-1:] if attempt == 0 else []
                 for _, old in live.checkpoints[: len(live.checkpoints) - len(keep)]:
-                    await kernel.call_now(calls.remove(old), {}, timeout=60)
+                    await kernel.call(calls.remove(old), {}, timeout=60)
                 live.checkpoints = keep
                 base = keep[-1][1] if keep else None
         live.checkpoints.append((count, name))
@@ -121,7 +121,7 @@ class Continuity:
         )
         while len(live.checkpoints) > self._MAX_CHECKPOINTS:
             _, old = live.checkpoints.pop(0)
-            await kernel.call_now(calls.remove(old), {}, timeout=60)
+            await kernel.call(calls.remove(old), {}, timeout=60)
 
     async def _capture_checkpoint(
         self, live: LiveSession, kernel: KernelSession, name: str, base: str | None
@@ -129,10 +129,10 @@ class Continuity:
         timeout = self.settings.gateway.checkpoint_timeout
         t0 = time.monotonic()
         try:
-            await kernel.call_now(calls.capture(name, base), calls.RESULT, timeout=timeout)
+            await kernel.call(calls.capture(name, base), calls.RESULT, timeout=timeout)
         except KernelhubError:
             with contextlib.suppress(KernelhubError):
-                await kernel.call_now(calls.remove(name), {}, timeout=60)  # what it left
+                await kernel.call(calls.remove(name), {}, timeout=60)  # what it left
             if time.monotonic() - t0 >= timeout:
                 live.checkpoint_policy = "off"
                 kernel.notice(
@@ -187,7 +187,7 @@ class Continuity:
             if usable:
                 after, directory = usable[-1]
                 result = calls.result(
-                    await kernel.call_now(
+                    await kernel.call(
                         calls.restore(directory),
                         calls.RESULT,
                         timeout=self.settings.gateway.snapshot_timeout,
@@ -197,7 +197,7 @@ class Continuity:
                 failed = {str(k): str(v) for k, v in dict(result.get("failed", {})).items()}
             # Checkpoints of the abandoned future go; later ones build on the restored one.
             for _, d in [c for c in live.checkpoints if c[0] >= before_cell]:
-                await kernel.call_now(calls.remove(d), {}, timeout=60)
+                await kernel.call(calls.remove(d), {}, timeout=60)
             live.checkpoints = [c for c in live.checkpoints if c[0] < before_cell]
             return RewindReport(
                 before_cell=before_cell,

@@ -92,7 +92,7 @@ class Operations:
             kernel = await self.kernel_for(live, Operation.EXECUTE)
         row = self._new_execution(principal, live, kernel, body)
         if key is None:
-            handle = self._start(live, kernel, row, body, client)
+            handle = await self._start(live, kernel, row, body, client)
             self.recorder.execution(row)  # the kernel first, the bookkeeping after
             return row, handle, True
         stored = await self.recorder.keyed_execution(row)
@@ -101,7 +101,7 @@ class Operations:
         kernel = live.ready_kernel(Operation.EXECUTE) or await self.kernel_for(
             live, Operation.EXECUTE
         )
-        return row, self._start(live, kernel, row, body, client), True
+        return row, await self._start(live, kernel, row, body, client), True
 
     def _reused(
         self, live: LiveSession, existing: StoredExecution, key: str
@@ -131,7 +131,7 @@ class Operations:
         )
 
     @staticmethod
-    def _start(
+    async def _start(
         live: LiveSession,
         kernel: KernelSession,
         row: StoredExecution,
@@ -140,7 +140,7 @@ class Operations:
     ) -> ExecutionHandle:
         kwargs = {} if body.timeout is None else {"timeout": body.timeout}
         # The kernel first (an idle kernel gets the cell right here), the bookkeeping after.
-        handle = kernel.submit_nowait(
+        handle = await kernel.submit(
             body.code, execution_id=row.id, keep_events=body.wait, **kwargs
         )
         live.inflight[row.id] = InFlight(principal=row.owner, code=body.code, client=client)
