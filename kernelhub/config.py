@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
+import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -546,8 +547,13 @@ class Settings(BaseSettings):
 
 
 def _default_data_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "kernelhub"
+    # platformdirs: $XDG_DATA_HOME/kernelhub, else ~/.local/share/kernelhub on Linux.
+    return platformdirs.user_data_path("kernelhub", appauthor=False)
+
+
+# Not platformdirs.user_runtime_path: a root gateway wants /run/kernelhub (the host's
+# tmpfs, where the sandboxes' socket directories go), and without XDG_RUNTIME_DIR it would
+# name /run/user/<uid>, which may not exist for a service account.
 
 
 def _default_run_dir() -> Path:
