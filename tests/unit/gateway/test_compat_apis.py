@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -42,6 +42,9 @@ async def _seed(settings: Settings) -> dict[str, str]:
         await store.update_session("sleepy", state="hibernated", hibernation="snap-none")
         await store.insert_session(_row("dead1", "alice", {"team": "red"}))
         await store.update_session("dead1", state="dead", reason="oom")
+        for sid in ("sleepy2", "sleepy3", "sleepy4"):  # for the tests that end one
+            await store.insert_session(_row(sid, "alice", {"team": "blue"}))
+            await store.update_session(sid, state="hibernated", hibernation=f"snap-{sid}")
         await store.insert_session(_row("bobs1", "bob", {}))
         await store.update_session("bobs1", state="hibernated", hibernation="snap-none2")
         return tokens
@@ -118,8 +121,9 @@ def test_kernels_are_the_callers_live_sessions(
 ) -> None:
     client, tokens = gateway
     kernels = client.get("/api/kernels", headers=_jh(tokens["alice"])).json()
-    assert [k["kernelhub"]["session_id"] for k in kernels] == ["sleepy"]  # not the dead one
-    (k,) = kernels
+    ids = [k["kernelhub"]["session_id"] for k in kernels]
+    assert "sleepy" in ids and "dead1" not in ids
+    (k,) = [k for k in kernels if k["kernelhub"]["session_id"] == "sleepy"]
     assert k["id"] == kernel_id("sleepy")
     assert (k["name"], k["execution_state"], k["connections"]) == (KERNEL_NAME, "idle", 0)
     assert k["kernelhub"]["state"] == "hibernated"
@@ -176,13 +180,17 @@ def test_sandboxes_list_the_callers_live_sessions_by_state_and_metadata(
         assert r.status_code == 200, r.text
         return [s["sandboxID"] for s in r.json()]
 
-    assert ids() == ["sleepy"]
+    assert "sleepy" in ids() and "dead1" not in ids()
     assert ids(metadata="team=red") == ["sleepy"]
-    assert ids(metadata="team=blue") == []
+    assert "sleepy" not in ids(metadata="team=blue")
     assert ids(state="paused") == []  # hibernated reads as running to E2B
-    (record,) = client.get(
-        E2B + "/sandboxes", headers={"Authorization": f"Bearer {tokens['alice']}"}
-    ).json()
+    (record,) = [
+        s
+        for s in client.get(
+            E2B + "/sandboxes", headers={"Authorization": f"Bearer {tokens['alice']}"}
+        ).json()
+        if s["sandboxID"] == "sleepy"
+    ]
     assert record["metadata"] == {"team": "red"}
     assert record["templateID"] == "kernelhub"  # not made through E2B: no template of its own
 
@@ -247,3 +255,70 @@ def test_timeouts_past_e2bs_maximum_are_refused(
         E2B + "/sandboxes/sleepy/timeout", headers=_key(tokens["alice"]), json={"timeout": 10**9}
     )
     assert r.status_code == 422
+
+
+def test_deleting_a_kernel_ends_its_session(gateway: tuple[TestClient, dict[str, str]]) -> None:
+    client, tokens = gateway
+    kid = kernel_id("sleepy2")
+    assert client.delete(f"/api/kernels/{kid}", headers=_jh(tokens["bob"])).status_code == 404
+    r = client.delete(f"/api/kernels/{kid}", headers=_jh(tokens["alice"]))
+    assert r.status_code == 204, r.text
+    assert client.get(f"/api/kernels/{kid}", headers=_jh(tokens["alice"])).status_code == 404
+    gone = client.get(
+        "/v1/sessions/sleepy2", headers={"Authorization": f"Bearer {tokens['alice']}"}
+    )
+    assert (gone.status_code, gone.json()["error"]) == (410, "session_ended")
+
+
+def test_killing_a_sandbox_ends_its_session(gateway: tuple[TestClient, dict[str, str]]) -> None:
+    client, tokens = gateway
+    h = _key(tokens["alice"])
+    assert client.delete(f"{E2B}/sandboxes/sleepy3", headers=_key(tokens["bob"])).status_code == 404
+    assert client.delete(f"{E2B}/sandboxes/sleepy3", headers=h).status_code == 204
+    assert client.get(f"{E2B}/sandboxes/sleepy3", headers=h).status_code == 404
+    listed = [s["sandboxID"] for s in client.get(f"{E2B}/sandboxes", headers=h).json()]
+    assert "sleepy3" not in listed
+
+
+def test_connect_extends_and_a_passed_timeout_ends_the_sandbox(
+    gateway: tuple[TestClient, dict[str, str]],
+) -> None:
+    client, tokens = gateway
+    h = _key(tokens["alice"])
+
+    def end_at() -> datetime:
+        r = client.get(f"{E2B}/sandboxes/sleepy4", headers=h)
+        assert r.status_code == 200, r.text
+        return datetime.fromisoformat(r.json()["endAt"].replace("Z", "+00:00"))
+
+    assert client.post(f"{E2B}/sandboxes/sleepy4/timeout", headers=h, json={"timeout": 3600})
+    far = end_at()
+    assert far > datetime.now(UTC) + timedelta(minutes=50)
+    # Connecting with a shorter timeout never shortens the lifetime; a longer one extends it.
+    client.post(f"{E2B}/sandboxes/sleepy4/connect", headers=h, json={"timeout": 60})
+    assert end_at() == far
+    client.post(f"{E2B}/sandboxes/sleepy4/connect", headers=h, json={"timeout": 7200})
+    assert end_at() > far
+    # A timeout of 0: the deadline is now, so the next look finds it ended (and deletes it).
+    r = client.post(f"{E2B}/sandboxes/sleepy4/timeout", headers=h, json={"timeout": 0})
+    assert r.status_code == 204
+    assert client.get(f"{E2B}/sandboxes/sleepy4", headers=h).status_code == 404
+    state = client.get(
+        "/v1/sessions/sleepy4", headers={"Authorization": f"Bearer {tokens['alice']}"}
+    )
+    assert (state.status_code, state.json()["error"]) == (410, "session_ended")
+
+
+@pytest.mark.parametrize("rpc", ["ListDir", "Stat"])
+def test_filesystem_rpcs_answer_connect_errors(
+    gateway: tuple[TestClient, dict[str, str]], rpc: str
+) -> None:
+    client, tokens = gateway
+    h = {"X-Access-Token": tokens["alice"], "E2b-Sandbox-Id": "dead1"}
+    r = client.post(f"{E2B}/filesystem.Filesystem/{rpc}", headers=h, json={"path": "/"})
+    assert r.status_code == 404
+    assert r.json()["code"] == "not_found" and "dead1" in r.json()["message"]
+    unnamed = client.post(
+        f"{E2B}/filesystem.Filesystem/{rpc}", headers={"X-Access-Token": tokens["alice"]}, json={}
+    )
+    assert unnamed.status_code == 400 and unnamed.json()["code"] == "invalid_argument"

@@ -44,7 +44,12 @@ async def _seed(settings: Settings) -> dict[str, str]:
                 "alice-old", expires_at=datetime.now(UTC) - timedelta(hours=1), acts_for="alice"
             ),
         }
-        for sid, owner in (("dead1", "alice"), ("dead2", "alice"), ("bobs1", "bob")):
+        for sid, owner in (
+            ("dead1", "alice"),
+            ("dead2", "alice"),
+            ("dead3", "alice"),
+            ("bobs1", "bob"),
+        ):
             await store.insert_session(_row(sid, owner))
             await store.update_session(sid, state="dead", reason="the kernel died (exit 137)")
         for i in range(AUDITS):
@@ -122,7 +127,8 @@ def test_sessions_are_listed_per_owner(gateway: tuple[TestClient, dict[str, str]
         assert r.status_code == 200, r.text
         return {s["id"] for s in r.json()["sessions"]}
 
-    assert ids(tokens["alice"]) == {"dead1", "dead2"}
+    assert ids(tokens["alice"]) >= {"dead1", "dead2"}
+    assert "bobs1" not in ids(tokens["alice"])
     assert ids(tokens["bob"]) == {"bobs1"}
     assert ids(tokens["scoped"]) == {"dead1"}  # a one-session token sees its one
     assert ids(tokens["admin"], "/v1/admin/sessions") >= {"dead1", "dead2", "bobs1"}
@@ -325,3 +331,45 @@ def test_sign_in_with_the_bearer_header(gateway: tuple[TestClient, dict[str, str
     assert r.json()["principal"]["name"] == "alice"
     assert r.headers["cache-control"] == "no-store"
     assert client.post("/v1/auth/session", json={}).status_code == 401
+
+
+def test_a_scoped_token_reaches_executions_of_its_session_only(
+    gateway: tuple[TestClient, dict[str, str]],
+) -> None:
+    client, tokens = gateway
+    # Unknown execution: the scope falls back to the token's own session, the route says 404.
+    for who in ("scoped", "reader"):
+        r = client.get("/v1/executions/nope", headers=_auth(tokens[who]))
+        assert r.status_code == 404, r.text
+    r = client.post("/v1/executions/nope/interrupt", headers=_auth(tokens["reader"]))
+    assert r.status_code == 403 and "read-only" in r.json()["message"]
+
+
+def test_empty_lists_and_unknown_snapshots_and_batches(
+    gateway: tuple[TestClient, dict[str, str]],
+) -> None:
+    client, tokens = gateway
+    h = _auth(tokens["bob"])
+    assert client.get("/v1/snapshots", headers=h).json() == {"snapshots": []}
+    assert client.get("/v1/batches", headers=h).json() == {"batches": []}
+    assert client.delete("/v1/snapshots/nope", headers=h).status_code == 404
+    assert client.post("/v1/batches/nope/cancel", headers=h).status_code == 404
+
+
+def test_deleting_a_dead_session_with_purge_ends_it(
+    gateway: tuple[TestClient, dict[str, str]],
+) -> None:
+    client, tokens = gateway
+    h = _auth(tokens["alice"])
+    assert client.delete("/v1/sessions/dead3", headers=_auth(tokens["bob"])).status_code == 404
+    r = client.delete("/v1/sessions/dead3", headers=h, params={"purge": "true"})
+    assert r.status_code == 204, r.text
+    after = client.get("/v1/sessions/dead3", headers=h)
+    assert after.status_code == 404, after.text  # purged: not even its row is kept
+    assert "dead3" not in {
+        s["id"] for s in client.get("/v1/sessions", headers=h).json()["sessions"]
+    }
+    log = client.get(
+        "/v1/admin/audit", headers=_auth(tokens["admin"]), params={"session_id": "dead3"}
+    ).json()["entries"]
+    assert log and log[0]["principal"] == "alice"
