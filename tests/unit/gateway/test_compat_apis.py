@@ -6,76 +6,51 @@ request reaches a kernel."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 
 from kernelhub import __version__
-from kernelhub.config import Settings, load_settings
-from kernelhub.gateway.app import create_app
 from kernelhub.gateway.e2b import PREFIX as E2B
 from kernelhub.jupyter.messages import KERNEL_NAME, kernel_id
-from kernelhub.store.records import StoredSession
 from kernelhub.store.sqlite import SqliteStore
+from tests.unit.gateway.app_rig import Gateway, row, serve
 
 
-def _row(sid: str, owner: str, metadata: dict[str, Any]) -> StoredSession:
-    return StoredSession(
-        id=sid, owner=owner, backend="local", state="ready", created_at=datetime.now(UTC),
-        limits={}, metadata=metadata, reason=None, deleted_at=None,
-    )  # fmt: skip
-
-
-async def _seed(settings: Settings) -> dict[str, str]:
-    store = await SqliteStore.open(settings.data_dir / "kernelhub.sqlite3")
-    try:
-        tokens = {
-            "alice": await store.create_token("alice"),
-            "bob": await store.create_token("bob"),
-            "reader": await store.create_token("alice-ro", read_only=True, acts_for="alice"),
-        }
-        await store.insert_session(_row("sleepy", "alice", {"team": "red"}))
-        await store.update_session("sleepy", state="hibernated", hibernation="snap-none")
-        await store.insert_session(_row("dead1", "alice", {"team": "red"}))
-        await store.update_session("dead1", state="dead", reason="oom")
-        for sid in ("sleepy2", "sleepy3", "sleepy4"):  # for the tests that end one
-            await store.insert_session(_row(sid, "alice", {"team": "blue"}))
-            await store.update_session(sid, state="hibernated", hibernation=f"snap-{sid}")
-        await store.insert_session(_row("bobs1", "bob", {}))
-        await store.update_session("bobs1", state="hibernated", hibernation="snap-none2")
-        return tokens
-    finally:
-        await store.close()
+async def _seed(store: SqliteStore) -> dict[str, str]:
+    tokens = {
+        "alice": await store.create_token("alice"),
+        "bob": await store.create_token("bob"),
+        "reader": await store.create_token("alice-ro", read_only=True, acts_for="alice"),
+    }
+    await store.insert_session(row("sleepy", "alice", {"team": "red"}))
+    await store.update_session("sleepy", state="hibernated", hibernation="snap-none")
+    await store.insert_session(row("dead1", "alice", {"team": "red"}))
+    await store.update_session("dead1", state="dead", reason="oom")
+    for sid in ("sleepy2", "sleepy3", "sleepy4"):  # for the tests that end one
+        await store.insert_session(row(sid, "alice", {"team": "blue"}))
+        await store.update_session(sid, state="hibernated", hibernation=f"snap-{sid}")
+    await store.insert_session(row("bobs1", "bob", {}))
+    await store.update_session("bobs1", state="hibernated", hibernation="snap-none2")
+    return tokens
 
 
 @pytest.fixture(scope="module")
-def gateway(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[TestClient, dict[str, str]]]:
-    data = tmp_path_factory.mktemp("gw") / "data"
-    data.mkdir()
-    settings = load_settings(backend="local", data_dir=data, run_dir=data.parent / "run")
-    tokens = asyncio.run(_seed(settings))
-    with TestClient(create_app(settings)) as client:
-        yield client, tokens
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    yield from serve(tmp_path_factory, _seed)
 
 
 # -- Jupyter ------------------------------------------------------------------------------
 
 
-def test_the_version_probe_needs_no_token(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_the_version_probe_needs_no_token(gateway: Gateway) -> None:
     client, _ = gateway
     assert client.get("/api").json() == {"version": __version__, "implementation": "kernelhub"}
 
 
 @pytest.mark.parametrize("how", ["token", "Bearer", "query"])
-def test_jupyter_clients_send_their_token_three_ways(
-    gateway: tuple[TestClient, dict[str, str]], how: str
-) -> None:
+def test_jupyter_clients_send_their_token_three_ways(gateway: Gateway, how: str) -> None:
     client, tokens = gateway
     t = tokens["alice"]
     if how == "query":
@@ -91,7 +66,7 @@ def test_jupyter_clients_send_their_token_three_ways(
 
 
 def test_jupyter_refusals_say_how_to_send_the_token(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     r = client.get("/api/kernels")
@@ -106,7 +81,7 @@ def _jh(token: str) -> dict[str, str]:
     return {"Authorization": f"token {token}"}
 
 
-def test_a_kernelspec_by_name(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_a_kernelspec_by_name(gateway: Gateway) -> None:
     client, tokens = gateway
     ok = client.get(f"/api/kernelspecs/{KERNEL_NAME}", headers=_jh(tokens["alice"]))
     assert ok.json()["name"] == KERNEL_NAME
@@ -117,7 +92,7 @@ def test_a_kernelspec_by_name(gateway: tuple[TestClient, dict[str, str]]) -> Non
 
 
 def test_kernels_are_the_callers_live_sessions(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     kernels = client.get("/api/kernels", headers=_jh(tokens["alice"])).json()
@@ -142,7 +117,7 @@ def test_kernels_are_the_callers_live_sessions(
 )
 @pytest.mark.parametrize("kernel", [kernel_id("dead1"), kernel_id("bobs1"), "not-a-kernel"])
 def test_ended_foreign_or_unknown_kernels_are_not_found(
-    gateway: tuple[TestClient, dict[str, str]], method: str, suffix: str, kernel: str
+    gateway: Gateway, method: str, suffix: str, kernel: str
 ) -> None:
     client, tokens = gateway
     r = client.request(method, f"/api/kernels/{kernel}{suffix}", headers=_jh(tokens["alice"]))
@@ -157,7 +132,7 @@ def _key(token: str) -> dict[str, str]:
     return {"X-API-Key": token}
 
 
-def test_e2b_refusals_are_in_e2bs_shape(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_e2b_refusals_are_in_e2bs_shape(gateway: Gateway) -> None:
     client, tokens = gateway
     r = client.get(E2B + "/sandboxes")
     assert r.status_code == 401
@@ -171,7 +146,7 @@ def test_e2b_refusals_are_in_e2bs_shape(gateway: tuple[TestClient, dict[str, str
 
 
 def test_sandboxes_list_the_callers_live_sessions_by_state_and_metadata(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
 
@@ -196,9 +171,7 @@ def test_sandboxes_list_the_callers_live_sessions_by_state_and_metadata(
 
 
 @pytest.mark.parametrize("sandbox", ["dead1", "bobs1", "nope"])
-def test_ended_foreign_or_unknown_sandboxes_are_not_found(
-    gateway: tuple[TestClient, dict[str, str]], sandbox: str
-) -> None:
+def test_ended_foreign_or_unknown_sandboxes_are_not_found(gateway: Gateway, sandbox: str) -> None:
     client, tokens = gateway
     h = _key(tokens["alice"])
     for method, path, body in [
@@ -216,7 +189,7 @@ def test_ended_foreign_or_unknown_sandboxes_are_not_found(
 
 
 def test_sandbox_plane_requests_name_their_sandbox(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     r = client.get(E2B + "/health", headers={"X-Access-Token": tokens["alice"]})
@@ -227,7 +200,7 @@ def test_sandbox_plane_requests_name_their_sandbox(
     assert ok.status_code == 204
 
 
-def test_contexts_and_cells_are_python_only(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_contexts_and_cells_are_python_only(gateway: Gateway) -> None:
     client, tokens = gateway
     h = {"E2b-Traffic-Access-Token": tokens["alice"], "E2b-Sandbox-Id": "sleepy"}
     ctx = client.post(E2B + "/contexts", headers=h, json={})
@@ -248,7 +221,7 @@ def test_contexts_and_cells_are_python_only(gateway: tuple[TestClient, dict[str,
 
 
 def test_timeouts_past_e2bs_maximum_are_refused(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     r = client.post(
@@ -257,7 +230,7 @@ def test_timeouts_past_e2bs_maximum_are_refused(
     assert r.status_code == 422
 
 
-def test_deleting_a_kernel_ends_its_session(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_deleting_a_kernel_ends_its_session(gateway: Gateway) -> None:
     client, tokens = gateway
     kid = kernel_id("sleepy2")
     assert client.delete(f"/api/kernels/{kid}", headers=_jh(tokens["bob"])).status_code == 404
@@ -270,7 +243,7 @@ def test_deleting_a_kernel_ends_its_session(gateway: tuple[TestClient, dict[str,
     assert (gone.status_code, gone.json()["error"]) == (410, "session_ended")
 
 
-def test_killing_a_sandbox_ends_its_session(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_killing_a_sandbox_ends_its_session(gateway: Gateway) -> None:
     client, tokens = gateway
     h = _key(tokens["alice"])
     assert client.delete(f"{E2B}/sandboxes/sleepy3", headers=_key(tokens["bob"])).status_code == 404
@@ -281,7 +254,7 @@ def test_killing_a_sandbox_ends_its_session(gateway: tuple[TestClient, dict[str,
 
 
 def test_connect_extends_and_a_passed_timeout_ends_the_sandbox(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     h = _key(tokens["alice"])
@@ -310,9 +283,7 @@ def test_connect_extends_and_a_passed_timeout_ends_the_sandbox(
 
 
 @pytest.mark.parametrize("rpc", ["ListDir", "Stat"])
-def test_filesystem_rpcs_answer_connect_errors(
-    gateway: tuple[TestClient, dict[str, str]], rpc: str
-) -> None:
+def test_filesystem_rpcs_answer_connect_errors(gateway: Gateway, rpc: str) -> None:
     client, tokens = gateway
     h = {"X-Access-Token": tokens["alice"], "E2b-Sandbox-Id": "dead1"}
     r = client.post(f"{E2B}/filesystem.Filesystem/{rpc}", headers=h, json={"path": "/"})

@@ -5,7 +5,6 @@ request reaches a kernel."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -14,72 +13,57 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from kernelhub.config import Settings, load_settings
-from kernelhub.gateway.app import create_app
+from kernelhub.config import Settings
 from kernelhub.gateway.auth import CSRF_HEADER, SESSION_COOKIE
-from kernelhub.store.records import AuditEntry, StoredSession
+from kernelhub.store.records import AuditEntry
 from kernelhub.store.sqlite import SqliteStore
+from tests.unit.gateway.app_rig import Gateway, row, serve
 
 METRICS_SECRET = "scrape-me-please"
 AUDITS = 5  # audit rows seeded for alice's session "dead1"
 
 
-def _row(sid: str, owner: str) -> StoredSession:
-    return StoredSession(
-        id=sid, owner=owner, backend="local", state="ready", created_at=datetime.now(UTC),
-        limits={}, metadata={"label": sid}, reason=None, deleted_at=None,
-    )  # fmt: skip
+async def _seed(store: SqliteStore) -> dict[str, str]:
+    tokens = {
+        "admin": await store.create_token("root", admin=True),
+        "alice": await store.create_token("alice"),
+        "bob": await store.create_token("bob"),
+        "reader": await store.create_token("alice-ro", read_only=True, acts_for="alice"),
+        "scoped": await store.create_token("alice-one", session_id="dead1", acts_for="alice"),
+        "expired": await store.create_token(
+            "alice-old", expires_at=datetime.now(UTC) - timedelta(hours=1), acts_for="alice"
+        ),
+    }
+    for sid, owner in (
+        ("dead1", "alice"),
+        ("dead2", "alice"),
+        ("dead3", "alice"),
+        ("bobs1", "bob"),
+    ):
+        await store.insert_session(row(sid, owner))
+        await store.update_session(sid, state="dead", reason="the kernel died (exit 137)")
+    for i in range(AUDITS):
+        await store.audit(
+            AuditEntry(principal="alice", action=f"probe_{i % 2}", session_id="dead1",
+                       detail={"n": i, "word": "needle" if i == 3 else "hay"})
+        )  # fmt: skip
+    return tokens
 
 
-async def _seed(settings: Settings) -> dict[str, str]:
-    store = await SqliteStore.open(settings.data_dir / "kernelhub.sqlite3")
-    try:
-        tokens = {
-            "admin": await store.create_token("root", admin=True),
-            "alice": await store.create_token("alice"),
-            "bob": await store.create_token("bob"),
-            "reader": await store.create_token("alice-ro", read_only=True, acts_for="alice"),
-            "scoped": await store.create_token("alice-one", session_id="dead1", acts_for="alice"),
-            "expired": await store.create_token(
-                "alice-old", expires_at=datetime.now(UTC) - timedelta(hours=1), acts_for="alice"
-            ),
-        }
-        for sid, owner in (
-            ("dead1", "alice"),
-            ("dead2", "alice"),
-            ("dead3", "alice"),
-            ("bobs1", "bob"),
-        ):
-            await store.insert_session(_row(sid, owner))
-            await store.update_session(sid, state="dead", reason="the kernel died (exit 137)")
-        for i in range(AUDITS):
-            await store.audit(
-                AuditEntry(principal="alice", action=f"probe_{i % 2}", session_id="dead1",
-                           detail={"n": i, "word": "needle" if i == 3 else "hay"})
-            )  # fmt: skip
-        return tokens
-    finally:
-        await store.close()
+def _with_metrics_token(settings: Settings) -> None:
+    settings.gateway.metrics_token = SecretStr(METRICS_SECRET)
 
 
 @pytest.fixture(scope="module")
-def gateway(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[TestClient, dict[str, str]]]:
-    data = tmp_path_factory.mktemp("gw") / "data"
-    data.mkdir()
-    settings = load_settings(backend="local", data_dir=data, run_dir=data.parent / "run")
-    settings.gateway.metrics_token = SecretStr(METRICS_SECRET)
-    tokens = asyncio.run(_seed(settings))
-    with TestClient(create_app(settings)) as client:
-        yield client, tokens
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    yield from serve(tmp_path_factory, _seed, _with_metrics_token)
 
 
 def _auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def test_health_and_readiness(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_health_and_readiness(gateway: Gateway) -> None:
     client, _ = gateway
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
@@ -87,39 +71,30 @@ def test_health_and_readiness(gateway: tuple[TestClient, dict[str, str]]) -> Non
 
 
 @pytest.mark.parametrize(
-    ("headers", "needle"),
+    ("header", "needle"),
     [
-        ({}, "missing bearer token"),
-        ({"Authorization": "Basic abc"}, "missing bearer token"),
-        (_auth("kh_not_a_token"), "unknown or revoked token"),
+        (None, "missing bearer token"),
+        ("Basic abc", "missing bearer token"),
+        ("Bearer kh_not_a_token", "unknown or revoked token"),
+        ("Bearer {expired}", "'alice-old' expired at"),  # names the token and its expiry
     ],
 )
-def test_refused_without_a_valid_token(
-    gateway: tuple[TestClient, dict[str, str]], headers: dict[str, str], needle: str
-) -> None:
-    client, _ = gateway
+def test_refused_without_a_valid_token(gateway: Gateway, header: str | None, needle: str) -> None:
+    client, tokens = gateway
+    headers = {} if header is None else {"Authorization": header.format(**tokens)}
     r = client.get("/v1/whoami", headers=headers)
     assert r.status_code == 401
     assert needle in r.json()["message"]
 
 
-def test_an_expired_token_is_refused_naming_its_expiry(
-    gateway: tuple[TestClient, dict[str, str]],
-) -> None:
-    client, tokens = gateway
-    r = client.get("/v1/whoami", headers=_auth(tokens["expired"]))
-    assert r.status_code == 401
-    assert "expired at" in r.json()["message"]
-
-
-def test_whoami_names_the_principal(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_whoami_names_the_principal(gateway: Gateway) -> None:
     client, tokens = gateway
     assert client.get("/v1/whoami", headers=_auth(tokens["alice"])).json()["name"] == "alice"
     body = client.get("/v1/whoami", headers=_auth(tokens["scoped"])).json()
     assert (body["name"], body["session_id"]) == ("alice", "dead1")
 
 
-def test_sessions_are_listed_per_owner(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_sessions_are_listed_per_owner(gateway: Gateway) -> None:
     client, tokens = gateway
 
     def ids(token: str, path: str = "/v1/sessions") -> set[str]:
@@ -135,9 +110,7 @@ def test_sessions_are_listed_per_owner(gateway: tuple[TestClient, dict[str, str]
 
 
 @pytest.mark.parametrize("who", ["bob", "scoped"])
-def test_another_owners_session_is_not_found(
-    gateway: tuple[TestClient, dict[str, str]], who: str
-) -> None:
+def test_another_owners_session_is_not_found(gateway: Gateway, who: str) -> None:
     client, tokens = gateway
     sid = "dead2" if who == "scoped" else "dead1"
     r = client.get(f"/v1/sessions/{sid}", headers=_auth(tokens[who]))
@@ -145,7 +118,7 @@ def test_another_owners_session_is_not_found(
 
 
 def test_a_dead_session_reads_as_dead_with_its_reason(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     body = client.get("/v1/sessions/dead1", headers=_auth(tokens["alice"])).json()
@@ -162,9 +135,7 @@ def test_a_dead_session_reads_as_dead_with_its_reason(
         ("POST", "/v1/batches"),
     ],
 )
-def test_a_read_only_token_may_not_act(
-    gateway: tuple[TestClient, dict[str, str]], method: str, path: str
-) -> None:
+def test_a_read_only_token_may_not_act(gateway: Gateway, method: str, path: str) -> None:
     client, tokens = gateway
     r = client.request(method, path, headers=_auth(tokens["reader"]), json={})
     assert r.status_code == 403, r.text
@@ -172,7 +143,7 @@ def test_a_read_only_token_may_not_act(
 
 
 def test_a_scoped_token_is_refused_routes_on_no_one_session(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     r = client.get("/v1/snapshots", headers=_auth(tokens["scoped"]))
@@ -180,7 +151,7 @@ def test_a_scoped_token_is_refused_routes_on_no_one_session(
     assert "scoped to session 'dead1'" in r.json()["message"]
 
 
-def test_admin_routes_need_an_admin(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_admin_routes_need_an_admin(gateway: Gateway) -> None:
     client, tokens = gateway
     for path in ("/v1/admin/sessions", "/v1/admin/audit"):
         r = client.get(path, headers=_auth(tokens["alice"]))
@@ -189,7 +160,7 @@ def test_admin_routes_need_an_admin(gateway: tuple[TestClient, dict[str, str]]) 
 
 
 def test_audit_pages_newest_first_and_filters(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     headers = _auth(tokens["admin"])
@@ -218,7 +189,7 @@ def test_audit_pages_newest_first_and_filters(
 
 
 def test_an_admin_mints_a_scoped_token_that_works_and_is_audited(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     body = {"name": "alice-browser", "read_only": True, "session_id": "dead2", "expires_in": 3600}
@@ -235,7 +206,7 @@ def test_an_admin_mints_a_scoped_token_that_works_and_is_audited(
 
 
 def test_execution_lookups_of_unknown_ids_are_not_found(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     for method, path in [
@@ -248,7 +219,7 @@ def test_execution_lookups_of_unknown_ids_are_not_found(
 
 
 def test_the_notebook_of_a_dead_session_exports(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     r = client.get("/v1/sessions/dead1/notebook", headers=_auth(tokens["reader"]))
@@ -270,7 +241,7 @@ def test_the_notebook_of_a_dead_session_exports(
 
 
 def test_metrics_totals_for_any_token_sessions_for_admins(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     assert client.get("/metrics").status_code == 401
@@ -289,7 +260,7 @@ def test_metrics_totals_for_any_token_sessions_for_admins(
     assert float(dead[0].split()[-1]) >= 0
 
 
-def test_the_review_page_carries_its_policy(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_the_review_page_carries_its_policy(gateway: Gateway) -> None:
     client, _ = gateway
     r = client.get("/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
@@ -298,7 +269,7 @@ def test_the_review_page_carries_its_policy(gateway: tuple[TestClient, dict[str,
 
 
 def test_cookie_sign_in_needs_csrf_to_act_and_ends_on_sign_out(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     assert client.post("/v1/auth/session", json={"token": "kh_bogus"}).status_code == 401
@@ -324,7 +295,7 @@ def test_cookie_sign_in_needs_csrf_to_act_and_ends_on_sign_out(
     assert "sign-in has ended" in after.json()["message"]
 
 
-def test_sign_in_with_the_bearer_header(gateway: tuple[TestClient, dict[str, str]]) -> None:
+def test_sign_in_with_the_bearer_header(gateway: Gateway) -> None:
     client, tokens = gateway
     r = client.post("/v1/auth/session", headers=_auth(tokens["alice"]), json={})
     assert r.status_code == 201
@@ -334,7 +305,7 @@ def test_sign_in_with_the_bearer_header(gateway: tuple[TestClient, dict[str, str
 
 
 def test_a_scoped_token_reaches_executions_of_its_session_only(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     # Unknown execution: the scope falls back to the token's own session, the route says 404.
@@ -346,7 +317,7 @@ def test_a_scoped_token_reaches_executions_of_its_session_only(
 
 
 def test_empty_lists_and_unknown_snapshots_and_batches(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     h = _auth(tokens["bob"])
@@ -357,7 +328,7 @@ def test_empty_lists_and_unknown_snapshots_and_batches(
 
 
 def test_deleting_a_dead_session_with_purge_ends_it(
-    gateway: tuple[TestClient, dict[str, str]],
+    gateway: Gateway,
 ) -> None:
     client, tokens = gateway
     h = _auth(tokens["alice"])
