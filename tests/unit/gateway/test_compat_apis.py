@@ -293,3 +293,22 @@ def test_filesystem_rpcs_answer_connect_errors(gateway: Gateway, rpc: str) -> No
         f"{E2B}/filesystem.Filesystem/{rpc}", headers={"X-Access-Token": tokens["alice"]}, json={}
     )
     assert unnamed.status_code == 400 and unnamed.json()["code"] == "invalid_argument"
+
+
+def test_the_session_gauges_count_held_sessions_by_state(gateway: Gateway) -> None:
+    client, tokens = gateway
+    want: dict[str, int] = {}
+    for who in ("alice", "bob"):
+        h = {"Authorization": f"Bearer {tokens[who]}"}
+        for s in client.get("/v1/sessions", headers=h).json()["sessions"]:
+            if s["state"] != "deleted":
+                want[s["state"]] = want.get(s["state"], 0) + 1
+    assert want.get("hibernated") and want.get("dead")  # the seeded rows are held
+    text = client.get("/metrics", headers={"Authorization": f"Bearer {tokens['alice']}"}).text
+    got = {
+        line.split('"')[1]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("kernelhub_sessions{")
+    }
+    assert "deleted" not in got  # never held, never a series
+    assert {k: v for k, v in got.items() if v} == want

@@ -344,3 +344,21 @@ def test_deleting_a_dead_session_with_purge_ends_it(
         "/v1/admin/audit", headers=_auth(tokens["admin"]), params={"session_id": "dead3"}
     ).json()["entries"]
     assert log and log[0]["principal"] == "alice"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"name": "x1", "admin": True, "read_only": True}, 400, "admin token cannot be"),
+        ({"name": "x2", "session_id": "nope"}, 404, "'nope'"),
+        ({"name": "x3", "session_id": "dead1", "owner": "bob"}, 400, "belongs to 'alice'"),
+        ({"name": "alice"}, 409, "'alice' exists"),
+    ],
+)
+def test_minting_refusals(
+    gateway: Gateway, body: dict[str, object], status: int, needle: str
+) -> None:
+    client, tokens = gateway
+    r = client.post("/v1/admin/tokens", headers=_auth(tokens["admin"]), json=body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["message"]
