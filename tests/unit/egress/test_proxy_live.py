@@ -22,6 +22,7 @@ import pytest
 from kernelhub.config import EgressPolicy, EgressSettings
 from kernelhub.egress.policy import Answer
 from kernelhub.egress.proxy import SOCKET_NAME, EgressProxy, EgressSession
+from kernelhub.errors import EgressRefusedError
 from tests import egress_net
 from tests.conftest import UNIT, eventually
 from tests.egress_net import Seen, dns_server, https_server, make_ca
@@ -427,3 +428,59 @@ async def test_an_intercepted_domain_gets_the_operator_headers_over_verified_tls
     assert rig.net.https_seen.requests[-1][2]["authorization"] == "mine"
     assert rig.proxy.authority is not None
     assert set(rig.proxy.authority._contexts) == {"api.good.test"}
+
+
+async def test_a_malformed_head_is_closed_without_an_answer(make_rig: Make) -> None:
+    rig = await make_rig(ALLOW)
+    for head in (b"CONNECT api.good.test:443 HTTP/1.1\r\nno colon\r\n\r\n", b"HELLO\r\n\r\n"):
+        reader, writer = await rig.connect()
+        writer.write(head)
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), WAIT) == b""
+        writer.close()
+    assert rig.gate.asked == [] and rig.session.meter.used_bytes == 0
+
+
+async def test_a_plain_request_without_host_gets_the_destination_as_host(
+    make_rig: Make,
+) -> None:
+    rig = await make_rig(ALLOW)
+    reader, writer = await rig.connect()
+    writer.write(b"GET http://user@plain.good.test/nohost HTTP/1.0\r\n\r\n")
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), WAIT)
+    writer.close()
+    assert b"hello from plain.good.test /nohost" in data
+    host, path, _ = rig.net.http_seen.requests[-1]
+    assert (host, path) == ("plain.good.test", "/nohost")
+
+
+async def test_a_gate_refusal_is_passed_on_as_it_is(make_rig: Make) -> None:
+    rig = await make_rig(ASK)
+    rig.gate.answers = [EgressRefusedError("the session is being deleted", 410)]
+    answer, _, writer = await rig.request("CONNECT api.good.test:443 HTTP/1.1\r\n\r\n")
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 410 egress refused: the session is being deleted")
+    assert rig.actions("egress.deny") == []
+
+
+async def test_an_intercepted_connection_is_cut_at_the_quota_too(make_rig: Make) -> None:
+    policy = EgressPolicy(
+        allow=["*.good.test"],
+        ask=False,
+        quota_bytes=150_000,
+        headers={"api.good.test": {"Authorization": "op"}},
+    )
+    rig = await make_rig(policy, intercept=True)
+    _, reader, writer = await rig.request("CONNECT api.good.test:443 HTTP/1.1\r\n\r\n")
+    await writer.start_tls(client_tls(rig.net.ca), server_hostname="api.good.test")
+    writer.write(b"GET /flood/1000000 HTTP/1.1\r\nHost: api.good.test\r\n\r\n")
+    await writer.drain()
+    got = 0
+    with pytest.raises((ConnectionError, ssl.SSLError)):
+        while chunk := await asyncio.wait_for(reader.read(65536), WAIT):
+            got += len(chunk)
+        raise ConnectionError("closed")
+    writer.close()
+    assert got < 1_000_000 and rig.session.cut
+    assert rig.net.https_seen.requests[-1][2]["authorization"] == "op"
