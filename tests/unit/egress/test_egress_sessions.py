@@ -11,7 +11,6 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -23,10 +22,11 @@ from kernelhub.egress.proxy import SOCKET_NAME
 from kernelhub.egress.sessions import EgressSessions, check_settings
 from kernelhub.errors import ConfigError, ForbiddenError
 from kernelhub.execution.engine import KernelSession
-from kernelhub.store.records import EgressGrants, StoredSession
+from kernelhub.store.records import EgressGrants
 from kernelhub.store.sqlite import SqliteStore
 from tests.conftest import UNIT
 from tests.egress_net import make_ca
+from tests.unit.egress.test_sessions import row
 
 WAIT = 10 * UNIT
 POLICIES = {
@@ -158,14 +158,6 @@ async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
 SETTINGS = EgressSettings(
     policies=POLICIES, default_policy="ask", hosts={"api.test": "127.0.0.1:9"}
 )
-
-
-def row(sid: str, policy: str | None, grants: EgressGrants | None) -> StoredSession:
-    return StoredSession(
-        id=sid, owner="alice", backend="docker", state="ready", created_at=datetime.now(UTC),
-        limits={}, metadata={}, reason=None, deleted_at=None, egress_policy=policy,
-        egress_grants=grants,
-    )  # fmt: skip
 
 
 async def connect_status(ipc: Path, host: str) -> bytes:

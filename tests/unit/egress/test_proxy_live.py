@@ -165,6 +165,16 @@ async def https_get(rig: Rig, host: str, path: str, *, sni: str | None = None) -
     return data
 
 
+async def bytes_until_cut(reader: asyncio.StreamReader) -> int:
+    """Read until the proxy cuts the connection (no clean TLS close); bytes read."""
+    got = 0
+    with pytest.raises((ConnectionError, ssl.SSLError)):
+        while chunk := await asyncio.wait_for(reader.read(65536), WAIT):
+            got += len(chunk)
+        raise ConnectionError("closed")
+    return got
+
+
 ALLOW = EgressPolicy(allow=["*.good.test"], ask=False)
 
 
@@ -385,11 +395,7 @@ async def test_past_the_quota_connections_are_cut_and_new_ones_refused(make_rig:
     await writer.start_tls(client_tls(rig.net.ca), server_hostname="api.good.test")
     writer.write(b"GET /flood/1000000 HTTP/1.1\r\nHost: api.good.test\r\n\r\n")
     await writer.drain()
-    got = 0
-    with pytest.raises((ConnectionError, ssl.SSLError)):
-        while chunk := await asyncio.wait_for(reader.read(65536), WAIT):
-            got += len(chunk)
-        raise ConnectionError("closed")
+    got = await bytes_until_cut(reader)
     writer.close()
     assert got < 1_000_000
     assert rig.session.cut and rig.session.meter.exhausted
@@ -476,11 +482,7 @@ async def test_an_intercepted_connection_is_cut_at_the_quota_too(make_rig: Make)
     await writer.start_tls(client_tls(rig.net.ca), server_hostname="api.good.test")
     writer.write(b"GET /flood/1000000 HTTP/1.1\r\nHost: api.good.test\r\n\r\n")
     await writer.drain()
-    got = 0
-    with pytest.raises((ConnectionError, ssl.SSLError)):
-        while chunk := await asyncio.wait_for(reader.read(65536), WAIT):
-            got += len(chunk)
-        raise ConnectionError("closed")
+    got = await bytes_until_cut(reader)
     writer.close()
     assert got < 1_000_000 and rig.session.cut
     assert rig.net.https_seen.requests[-1][2]["authorization"] == "op"

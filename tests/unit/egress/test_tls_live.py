@@ -8,6 +8,7 @@ import asyncio
 import datetime
 import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,37 +18,35 @@ from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 from cryptography.x509.oid import NameOID
 
 from kernelhub.egress.tls import CertificateAuthority, ServerSideTls
+from tests import egress_net
 from tests.conftest import UNIT
 from tests.egress_net import make_ca
 
 WAIT = 10 * UNIT
+TRADITIONAL = serialization.PrivateFormat.TraditionalOpenSSL
 
 
 def rsa_ca(directory: Path) -> tuple[Path, Path]:
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rsa test CA")])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(key, hashes.SHA256())
-    )
+    cert = x509.CertificateBuilder(
+        issuer_name=name,
+        subject_name=name,
+        public_key=key.public_key(),
+        serial_number=x509.random_serial_number(),
+        not_valid_before=now - datetime.timedelta(hours=1),
+        not_valid_after=now + datetime.timedelta(days=1),
+        extensions=[
+            x509.Extension(x509.BasicConstraints.oid, True, x509.BasicConstraints(True, 0))
+        ],
+    ).sign(key, hashes.SHA256())
     directory.mkdir(parents=True, exist_ok=True)
     cert_file, key_file = directory / "rsa.pem", directory / "rsa.key"
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    # The older "BEGIN RSA PRIVATE KEY" form, as many operators' CAs still are.
+    pem = key.private_bytes(serialization.Encoding.PEM, TRADITIONAL, serialization.NoEncryption())
+    key_file.write_bytes(pem)
     return cert_file, key_file
 
 
@@ -125,19 +124,36 @@ def test_an_rsa_ca_works_and_another_key_kind_is_refused(tmp_path: Path) -> None
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-async def serve(handler: Handler) -> tuple[asyncio.Server, int]:
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1]
+@dataclass
+class Site:
+    """An operator CA, the proxy's authority made from it, and a client trusting it."""
+
+    ca: egress_net.TestCA
+    authority: CertificateAuthority
+
+    async def serve(self, handler: Handler) -> tuple[asyncio.Server, int]:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        return server, server.sockets[0].getsockname()[1]
+
+    async def client(
+        self, port: int, name: str
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        context = ssl.create_default_context(cafile=str(self.ca.cert_file))
+        return await asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname=name)
 
 
-async def test_server_side_tls_serves_after_the_hello_was_already_read(tmp_path: Path) -> None:
+@pytest.fixture
+def site(tmp_path: Path) -> Site:
     ca = make_ca(tmp_path / "ca")
-    authority = CertificateAuthority(ca.cert_file, ca.key_file, tmp_path / "certs")
+    return Site(ca, CertificateAuthority(ca.cert_file, ca.key_file, tmp_path / "certs"))
+
+
+async def test_server_side_tls_serves_after_the_hello_was_already_read(site: Site) -> None:
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         first = await reader.read(7)  # part of the ClientHello, as the proxy reads it
-        tls = ServerSideTls(authority.context_for("echo.test"), reader, writer, first)
+        tls = ServerSideTls(site.authority.context_for("echo.test"), reader, writer, first)
         await tls.handshake()
         while chunk := await tls.read():
             seen.append(chunk)
@@ -146,12 +162,9 @@ async def test_server_side_tls_serves_after_the_hello_was_already_read(tmp_path:
                 break
         tls.close()
 
-    server, port = await serve(handler)
+    server, port = await site.serve(handler)
     async with server:
-        context = ssl.create_default_context(cafile=str(ca.cert_file))
-        reader, writer = await asyncio.open_connection(
-            "127.0.0.1", port, ssl=context, server_hostname="echo.test"
-        )
+        reader, writer = await site.client(port, "echo.test")
         writer.write(b"hello tls\n")
         await writer.drain()
         answer = await asyncio.wait_for(reader.readline(), WAIT)
@@ -162,13 +175,11 @@ async def test_server_side_tls_serves_after_the_hello_was_already_read(tmp_path:
     assert b"".join(seen) == b"hello tls\n"
 
 
-async def test_a_client_gone_during_the_handshake_is_a_connection_error(tmp_path: Path) -> None:
-    ca = make_ca(tmp_path / "ca")
-    authority = CertificateAuthority(ca.cert_file, ca.key_file, tmp_path / "certs")
+async def test_a_client_gone_during_the_handshake_is_a_connection_error(site: Site) -> None:
     outcome: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        tls = ServerSideTls(authority.context_for("gone.test"), reader, writer, b"")
+        tls = ServerSideTls(site.authority.context_for("gone.test"), reader, writer, b"")
         try:
             await tls.handshake()
             outcome.set_result(None)
@@ -177,7 +188,7 @@ async def test_a_client_gone_during_the_handshake_is_a_connection_error(tmp_path
         finally:
             writer.close()
 
-    server, port = await serve(handler)
+    server, port = await site.serve(handler)
     async with server:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.close()  # not one byte of TLS
@@ -186,13 +197,11 @@ async def test_a_client_gone_during_the_handshake_is_a_connection_error(tmp_path
     assert isinstance(exc, ConnectionError) and "during the TLS handshake" in str(exc)
 
 
-async def test_reading_after_the_client_closes_is_the_end_of_the_stream(tmp_path: Path) -> None:
-    ca = make_ca(tmp_path / "ca")
-    authority = CertificateAuthority(ca.cert_file, ca.key_file, tmp_path / "certs")
+async def test_reading_after_the_client_closes_is_the_end_of_the_stream(site: Site) -> None:
     got: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        tls = ServerSideTls(authority.context_for("eof.test"), reader, writer, b"")
+        tls = ServerSideTls(site.authority.context_for("eof.test"), reader, writer, b"")
         await tls.handshake()
         data = b""
         while chunk := await tls.read():
@@ -200,12 +209,9 @@ async def test_reading_after_the_client_closes_is_the_end_of_the_stream(tmp_path
         got.set_result(data)
         tls.close()
 
-    server, port = await serve(handler)
+    server, port = await site.serve(handler)
     async with server:
-        context = ssl.create_default_context(cafile=str(ca.cert_file))
-        _, writer = await asyncio.open_connection(
-            "127.0.0.1", port, ssl=context, server_hostname="eof.test"
-        )
+        _, writer = await site.client(port, "eof.test")
         writer.write(b"last words")
         await writer.drain()
         writer.close()
