@@ -23,7 +23,7 @@ class Shell:
     """What ``install`` needs of IPython's shell: its event manager."""
 
     def __init__(self) -> None:
-        self.events = EventManager(self, available_events)
+        self.events = EventManager(self, available_events)  # type: ignore[arg-type]
 
     def cell(self, source: str, body: Any) -> Any:
         self.events.trigger("pre_run_cell", types.SimpleNamespace(raw_cell=source))

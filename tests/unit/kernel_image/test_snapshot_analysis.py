@@ -19,8 +19,8 @@ analyze_cell = analysis.analyze_cell
 class _Cell:
     """Stands for a class defined in a cell."""
 
-    def method(self) -> int:
-        return helper_global  # type: ignore[name-defined]  # noqa: F821
+    def __call__(self) -> None:
+        pass
 
 
 _Cell.__module__ = "__main__"

@@ -31,7 +31,7 @@ reducers = snapshot.reducers
 
 def dumps(obj: Any, *, dill_mode: bool = False) -> tuple[bytes, list[pickle.PickleBuffer]]:
     reducer = reducers._Reducer(None, grouping._Refs(), dill_mode)
-    out, buffers = io.BytesIO(), []
+    out, buffers = io.BytesIO(), list[pickle.PickleBuffer]()
     if dill_mode:
         picklers._dill_pickler(out, buffers, reducer, None).dump(obj)
     else:
@@ -47,7 +47,7 @@ def roundtrip(obj: Any, **kwargs: Any) -> Any:
 def refusal(obj: Any) -> str:
     with pytest.raises(common._Refused) as info:
         dumps(obj)
-    return info.value.reason
+    return str(info.value.reason)
 
 
 @pytest.mark.parametrize("held", [False, True])

@@ -123,6 +123,7 @@ def test_extraction_refuses_escapes_and_keeps_the_rest(
         [
             ("/etc/evil", tarfile.REGTYPE, None),
             ("a/../../escape", tarfile.REGTYPE, None),
+            ("a/../inside.txt", tarfile.REGTYPE, None),  # data_filter alone allows it
             ("out-link", tarfile.SYMTYPE, b"/etc/passwd"),
             ("up-link", tarfile.SYMTYPE, b"../../outside"),
             ("dev", tarfile.CHRTYPE, None),
@@ -131,7 +132,14 @@ def test_extraction_refuses_escapes_and_keeps_the_rest(
     )
     result = workspace._extract_workspace(tar, {})
     refused = {r["path"] for r in result["refused"]}
-    assert refused == {"/etc/evil", "a/../../escape", "out-link", "up-link", "dev"}
+    assert refused == {
+        "/etc/evil",
+        "a/../../escape",
+        "a/../inside.txt",
+        "out-link",
+        "up-link",
+        "dev",
+    }
     assert result["files"] == 1
     assert sorted(os.listdir(dest)) == ["good.txt"]
     assert not (tmp_path / "escape").exists()

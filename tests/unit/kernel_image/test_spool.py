@@ -16,10 +16,10 @@ spool = load("spool")
 
 
 def msg(msg_type: str, parent: str, **content: Any) -> dict[str, Any]:
+    """The parts of a Jupyter message the spool reads (it keeps the rest as given)."""
     return {
-        "header": {"msg_type": msg_type, "msg_id": f"{msg_type}-{parent}"},
+        "header": {"msg_type": msg_type},
         "parent_header": {"msg_id": parent},
-        "metadata": {},
         "content": content,
     }
 
