@@ -12,7 +12,9 @@ import os
 import pickle
 import re
 import socket
+import sys
 import threading
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -321,3 +323,41 @@ def test_a_pickled_group_digests_its_pickle_and_buffers() -> None:
     assert a.digest() == hashlib.sha256(b"abcdef").hexdigest()
     b = picklers._Pickled(b"abcd", [memoryview(b"ef")], "pickle")
     assert b.digest() == a.digest()  # the file's bytes are what is hashed
+
+
+def test_a_cell_class_is_unpickled_without_rerunning_its_bases_init_subclass() -> None:
+    import dill
+
+    main = types.ModuleType("__main__")
+    exec(
+        "class Base:\n"
+        "  calls = []\n"
+        "  def __init_subclass__(cls, **kw):\n"
+        "    super().__init_subclass__(**kw)\n"
+        "    for k in cls.__mro__:\n"
+        "      if 'calls' in vars(k):\n"
+        "        k.calls.append(cls.__name__)\n"
+        "class Child(Base):\n"
+        "  x = 1\n",
+        main.__dict__,
+    )
+    assert main.Base.calls == ["Child"]
+    reducer = reducers._Reducer(None, grouping._Refs(), True)
+    out, buffers = io.BytesIO(), list[pickle.PickleBuffer]()
+    picklers._dill_pickler(out, buffers, reducer, main).dump(main.Child)
+
+    def load(unpickler: Any) -> Any:
+        saved = sys.modules["__main__"]
+        sys.modules["__main__"] = main
+        try:
+            return unpickler(io.BytesIO(out.getvalue()), buffers=buffers).load()
+        finally:
+            sys.modules["__main__"] = saved
+
+    child = load(picklers._dill_unpickler_class())
+    base = child.__mro__[1]
+    assert child.x == 1 and base is not main.Base
+    assert base.calls == ["Child"]  # what the hook did is in the snapshot: not done twice
+    assert load(dill.Unpickler).__mro__[1].calls == ["Child", "Child"]  # plain dill re-runs it
+    type("Later", (base,), {})
+    assert base.calls == ["Child", "Later"]  # the hook is back for classes made after
