@@ -119,3 +119,20 @@ def test_write_bundle_needs_both_a_target_and_the_egress_ca(tmp_path: Path) -> N
     assert not target.exists()
     egress.write_bundle({}, roots=())
     assert not target.exists()
+
+
+def test_the_bundle_is_written_where_ssl_cert_file_says_or_the_failure_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ca, first, second = tmp_path / "ca.pem", tmp_path / "r1.pem", tmp_path / "r2.pem"
+    ca.write_bytes(b"CA")
+    second.write_bytes(b"SECOND")
+    monkeypatch.setattr(egress, "EGRESS_CA", str(ca))
+    target = tmp_path / "deep" / "er" / "bundle.pem"
+    # The first root store that exists, only that one, then the operator's CA.
+    egress.write_bundle({egress.BUNDLE_ENV: str(target)}, roots=(str(first), str(second)))
+    assert target.read_bytes() == b"SECOND\nCA"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    egress.write_bundle({egress.BUNDLE_ENV: str(blocker / "bundle.pem")}, roots=())
+    assert "cannot write" in capsys.readouterr().err

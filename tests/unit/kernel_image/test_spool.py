@@ -155,3 +155,19 @@ def test_install_spools_what_send_returns_and_survives_a_failing_spool(tmp_path:
 
     spool.install(Other, Broken())
     assert Other().send() == {"ok": True}
+
+
+def test_once_full_a_flood_is_counted_by_its_text_without_being_encoded(tmp_path: Path) -> None:
+    path = tmp_path / spool.SPOOL_FILE
+    s = spool.Spool(str(path), 100)  # the cell's own header line already passes it
+    texts = ["a" * 10, "b" * 2000, "c"]
+    cell(s, "c1", "flood", texts)
+    got = lines(path)
+    assert [g["m"]["header"]["msg_type"] for g in got if "m" in g] == [
+        "status",
+        "execute_input",
+        "status",
+        "execute_reply",
+    ]
+    (dropped,) = [g for g in got if "dropped_messages" in g]
+    assert dropped == {"dropped_bytes": sum(map(len, texts)), "dropped_messages": len(texts)}
