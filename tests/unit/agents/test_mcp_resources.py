@@ -150,7 +150,9 @@ async def test_uris_naming_nothing_are_no_such_resource(workspace: Path, uri: st
     with pytest.raises(MCPError) as raised:
         await read_resource([k], uri)
     assert raised.value.error.code == types.INVALID_PARAMS
-    assert repr(uri) in raised.value.error.message and "resources/list" in raised.value.error.message
+    assert (
+        repr(uri) in raised.value.error.message and "resources/list" in raised.value.error.message
+    )
     assert k.session.downloads == []  # type: ignore[attr-defined]
 
 
