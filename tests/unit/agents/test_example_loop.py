@@ -7,24 +7,14 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
 from kernelhub.agents.example_loop import ScriptedModel, agent_loop, main
 from kernelhub.agents.tools import ToolRunner, anthropic_tools
-from kernelhub.models import (
-    CellError,
-    EndedBy,
-    Event,
-    Execution,
-    ExecutionRecord,
-    ExecutionStatus,
-    StreamEvent,
-)
-
-NOW = datetime(2025, 1, 1, tzinfo=UTC)
+from kernelhub.models import Event, Execution
+from tests.unit.agents._cells import run_here
 
 
 class ExecSession:
@@ -42,22 +32,7 @@ class ExecSession:
         on_event: Callable[[Event], object] | None = None,
     ) -> Execution:
         self.codes.append(code)
-        buffer = io.StringIO()
-        error = None
-        try:
-            with contextlib.redirect_stdout(buffer):
-                exec(self.rewrite(code), {})
-        except Exception as exc:  # the cell's own failure, reported like a kernel would
-            error = CellError(name=type(exc).__name__, value=str(exc), traceback=[])
-        events: list[Event] = []
-        if buffer.getvalue():
-            events.append(StreamEvent(execution_id="e1", name="stdout", text=buffer.getvalue()))
-        status = ExecutionStatus.FAILED if error else ExecutionStatus.COMPLETED
-        record = ExecutionRecord(
-            execution_id="e1", status=status, ended_by=EndedBy.REPLY, error=error,
-            queued_at=NOW, finished_at=NOW,
-        )  # fmt: skip
-        return Execution(record=record, events=events)
+        return run_here(self.rewrite(code))
 
 
 def runner(session: ExecSession) -> ToolRunner:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -25,17 +24,9 @@ from kernelhub.agents.mcp_resources import (
     templates,
 )
 from kernelhub.client.errors import ApiError, NotFoundError
-from kernelhub.models import (
-    CellError,
-    EndedBy,
-    Event,
-    Execution,
-    ExecutionRecord,
-    ExecutionStatus,
-    StreamEvent,
-)
+from kernelhub.models import Execution
+from tests.unit.agents._cells import run_here
 
-NOW = datetime(2025, 1, 1, tzinfo=UTC)
 PREFIX = "kernelhub://sessions/"
 
 
@@ -49,24 +40,10 @@ class Session:
         self.downloads: list[str] = []
 
     async def run(self, code: str, *, timeout: float | None = None, **_: Any) -> Execution:
-        buffer = io.StringIO()
-        error = None
+        if self.fail_cells:
+            code = "raise PermissionError('denied')"
         # the cell names /workspace; here that is this session's root
-        code = code.replace("'/workspace'", repr(str(self.root)))
-        try:
-            if self.fail_cells:
-                raise PermissionError("denied")
-            with contextlib.redirect_stdout(buffer):
-                exec(code, {})
-        except Exception as exc:
-            error = CellError(name=type(exc).__name__, value=str(exc), traceback=[])
-        events: list[Event] = [StreamEvent(execution_id="e", name="stdout", text=buffer.getvalue())]
-        status = ExecutionStatus.FAILED if error else ExecutionStatus.COMPLETED
-        record = ExecutionRecord(
-            execution_id="e", status=status, ended_by=EndedBy.REPLY, error=error,
-            queued_at=NOW, finished_at=NOW,
-        )  # fmt: skip
-        return Execution(record=record, events=events)
+        return run_here(code.replace("'/workspace'", repr(str(self.root))), "e")
 
     async def download(self, path: str) -> bytes:
         self.downloads.append(path)

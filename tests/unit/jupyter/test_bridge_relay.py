@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,72 +114,78 @@ async def relay(tmp_path: Path) -> AsyncIterator[tuple[Gateway, Bridge, asyncio.
         await server.wait_closed()
 
 
-def _addr(connection: dict[str, Any], port: str) -> str:
-    return f"ipc://{connection['ip']}-{connection[port]}"
-
-
-async def test_a_request_goes_out_and_its_reply_comes_back_to_its_sender(relay: Any) -> None:
-    gateway, bridge, _task, connection = relay
+@pytest.fixture
+def connect(relay: Any) -> Iterator[Callable[[int, str], zmq.asyncio.Socket]]:
+    """Client sockets to the bridge's ports (an iopub SUB subscribes to everything)."""
+    connection = relay[3]
     ctx = zmq.asyncio.Context()
+    made: list[zmq.asyncio.Socket] = []
+
+    def socket_to(kind: int, port: str) -> zmq.asyncio.Socket:
+        sock = ctx.socket(kind)
+        made.append(sock)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(f"ipc://{connection['ip']}-{connection[port]}")
+        return sock
+
+    yield socket_to
+    for sock in made:
+        sock.close(linger=0)
+    ctx.term()
+
+
+async def test_a_request_goes_out_and_its_reply_comes_back_to_its_sender(
+    relay: Any, connect: Any
+) -> None:
+    gateway, bridge, _task, _ = relay
     session = Session(key=KEY.encode())
-    try:
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(_addr(connection, "iopub_port"))
-        shell = ctx.socket(zmq.DEALER)
-        shell.connect(_addr(connection, "shell_port"))
-        async with asyncio.timeout(10 * UNIT):
-            # The bridge greets each subscriber (JEP 65) before anything else.
-            welcome = session.deserialize(session.feed_identities(await sub.recv_multipart())[1])
-            assert welcome["header"]["msg_type"] == "iopub_welcome"
+    sub = connect(zmq.SUB, "iopub_port")
+    shell = connect(zmq.DEALER, "shell_port")
+    async with asyncio.timeout(10 * UNIT):
+        # The bridge greets each subscriber (JEP 65) before anything else.
+        welcome = session.deserialize(session.feed_identities(await sub.recv_multipart())[1])
+        assert welcome["header"]["msg_type"] == "iopub_welcome"
 
-            forged = Session(key=b"not-the-key").msg("execute_request", {"code": "evil"})
-            Session(key=b"not-the-key").send(shell, forged)
-            request = session.msg("execute_request", {"code": "1 + 1"})
-            session.send(shell, request)
+        forged = Session(key=b"not-the-key").msg("execute_request", {"code": "evil"})
+        Session(key=b"not-the-key").send(shell, forged)
+        request = session.msg("execute_request", {"code": "1 + 1"})
+        session.send(shell, request)
 
-            _, frames = session.feed_identities(await shell.recv_multipart())
-            got = session.deserialize(frames)
-            status_parts = await sub.recv_multipart()
-        assert got["header"]["msg_type"] == "execute_reply" and got["content"]["status"] == "ok"
-        assert got["parent_header"]["msg_id"] == request["header"]["msg_id"]
-        assert status_parts[0] == b"kernel.k1.status"
-        assert session.deserialize(session.feed_identities(status_parts)[1])["content"] == {
-            "execution_state": "busy"
-        }
-        # Only the signed request reached the gateway, with its channel; the token went
-        # in a header. The second reply to the same parent had no one left to go to.
-        assert [f["content"] for f in gateway.frames] == [{"code": "1 + 1"}]
-        assert gateway.frames[0]["channel"] == "shell" and gateway.auth == ["token tok"]
-        assert bridge.senders == {}
-        assert await _nothing_within(shell, 0.2)
-    finally:
-        ctx.destroy(linger=0)
+        _, frames = session.feed_identities(await shell.recv_multipart())
+        got = session.deserialize(frames)
+        status_parts = await sub.recv_multipart()
+    assert got["header"]["msg_type"] == "execute_reply" and got["content"]["status"] == "ok"
+    assert got["parent_header"]["msg_id"] == request["header"]["msg_id"]
+    assert status_parts[0] == b"kernel.k1.status"
+    assert session.deserialize(session.feed_identities(status_parts)[1])["content"] == {
+        "execution_state": "busy"
+    }
+    # Only the signed request reached the gateway, with its channel; the token went
+    # in a header. The second reply to the same parent had no one left to go to.
+    assert [f["content"] for f in gateway.frames] == [{"code": "1 + 1"}]
+    assert gateway.frames[0]["channel"] == "shell" and gateway.auth == ["token tok"]
+    assert bridge.senders == {}
+    assert await _nothing_within(shell, 0.2)
 
 
-async def test_heartbeats_echo_and_a_shutdown_reply_ends_the_relay(relay: Any) -> None:
-    gateway, _bridge, task, connection = relay
-    ctx = zmq.asyncio.Context()
+async def test_heartbeats_echo_and_a_shutdown_reply_ends_the_relay(
+    relay: Any, connect: Any
+) -> None:
+    gateway, _bridge, task, _ = relay
     session = Session(key=KEY.encode())
-    try:
-        hb = ctx.socket(zmq.REQ)
-        hb.connect(_addr(connection, "hb_port"))
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(_addr(connection, "iopub_port"))
-        control = ctx.socket(zmq.DEALER)
-        control.connect(_addr(connection, "control_port"))
-        async with asyncio.timeout(10 * UNIT):
-            await hb.send(b"ping")
-            assert await hb.recv() == b"ping"
-            await sub.recv_multipart()  # the welcome: requests now pass
-            session.send(control, session.msg("shutdown_request", {"restart": False}))
-            reply = session.deserialize(session.feed_identities(await control.recv_multipart())[1])
-            assert reply["header"]["msg_type"] == "shutdown_reply"
-            assert await task == 0  # a clean end: the relay was told to stop
-        assert [f["channel"] for f in gateway.frames] == ["control"]
-    finally:
-        ctx.destroy(linger=0)
+    hb = connect(zmq.REQ, "hb_port")
+    sub = connect(zmq.SUB, "iopub_port")
+    control = connect(zmq.DEALER, "control_port")
+    async with asyncio.timeout(10 * UNIT):
+        await hb.send(b"ping")
+        assert await hb.recv() == b"ping"
+        await sub.recv_multipart()  # the welcome: requests now pass
+        session.send(control, session.msg("shutdown_request", {"restart": False}))
+        reply = session.deserialize(session.feed_identities(await control.recv_multipart())[1])
+        assert reply["header"]["msg_type"] == "shutdown_reply"
+        assert await task == 0  # a clean end: the relay was told to stop
+    assert [f["channel"] for f in gateway.frames] == ["control"]
 
 
 async def _nothing_within(sock: zmq.asyncio.Socket, seconds: float) -> bool:
