@@ -21,6 +21,7 @@ from kernelhub.agents.mcp_kernels import (
     LiveSession,
     died,
     idle_handles,
+    settle,
 )
 from kernelhub.agents.mcp_live import LiveOutput
 from kernelhub.agents.tools import ToolRunner
@@ -35,6 +36,7 @@ from kernelhub.models import (
     InputRequestEvent,
     StreamEvent,
 )
+from kernelhub.wire import RecoveryInfo, SessionInfo, SessionState
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -238,3 +240,55 @@ async def test_a_callers_token_gets_its_own_hub_the_server_keeps_its_own() -> No
         await kernels.close()
         await server.close()
     assert kernels.hubs == {}
+
+
+def info(state: SessionState, recovery: RecoveryInfo | None = None) -> SessionInfo:
+    return SessionInfo(
+        id="s1", owner="o", state=state, backend="local", created_at=NOW, limits={},
+        metadata={}, recovery=recovery,
+    )  # fmt: skip
+
+
+class Dying:
+    """A session whose kernel died: info() walks through ``states`` (then stays)."""
+
+    def __init__(self, *states: SessionState | Exception, recovery: RecoveryInfo | None = None):
+        self.states = list(states)
+        self.recovery = recovery
+        self.last_info = info(SessionState.BUSY)
+        self.asked = 0
+
+    async def info(self) -> SessionInfo:
+        self.asked += 1
+        state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        if isinstance(state, Exception):
+            raise state
+        return info(state, self.recovery)
+
+
+async def test_a_recovered_kernel_is_reported_with_what_came_back() -> None:
+    recovery = RecoveryInfo(
+        at=NOW,
+        reason="out of memory",
+        checkpoint_after_cell=3,
+        lost=["e4"],
+        duration=1.0,
+        message="restored cell 3",
+    )
+    session = Dying(SessionState.STARTING, SessionState.READY, recovery=recovery)
+    said = await settle(Kernel(session, None, ""))  # type: ignore[arg-type]
+    assert said.startswith("[kernel] the kernel died and kernelhub recovered the session")
+    assert "(restored cell 3)" in said and session.asked == 2
+
+
+@pytest.mark.parametrize(
+    "end",
+    [SessionState.DEAD, NotFoundError(404, "not_found", "gone")],
+    ids=["dead", "deleted"],
+)
+async def test_a_kernel_given_up_says_the_next_call_starts_fresh(
+    end: SessionState | Exception,
+) -> None:
+    session = Dying(SessionState.RECOVERING, end)
+    said = await settle(Kernel(session, None, ""))  # type: ignore[arg-type]
+    assert "fresh session" in said and "recovered" not in said
