@@ -289,6 +289,23 @@ async def test_a_recovered_kernel_is_reported_with_what_came_back() -> None:
 async def test_a_kernel_given_up_says_the_next_call_starts_fresh(
     end: SessionState | Exception,
 ) -> None:
-    session = Dying(SessionState.RECOVERING, end)
+    session = Dying(SessionState.BUSY, end)
     said = await settle(Kernel(session, None, ""))  # type: ignore[arg-type]
     assert "fresh session" in said and "recovered" not in said
+    assert session.asked == 2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: settle() waits only while STARTING or BUSY (_UNSETTLED); a session still "
+    "RECOVERING is reported as given up ('the next call runs in a fresh session') although "
+    "kernelhub brings it back a moment later",
+)
+async def test_a_kernel_still_recovering_is_waited_for() -> None:
+    recovery = RecoveryInfo(
+        at=NOW, reason="killed", checkpoint_after_cell=1, lost=[], duration=0.5,
+        message="restored cell 1",
+    )  # fmt: skip
+    session = Dying(SessionState.RECOVERING, SessionState.READY, recovery=recovery)
+    said = await settle(Kernel(session, None, ""))  # type: ignore[arg-type]
+    assert "recovered the session (restored cell 1)" in said
