@@ -41,7 +41,7 @@ __all__ = [
 DEFAULT_HANDLE_IDLE_TIMEOUT = 900.0
 _INTERRUPT_TIMEOUT = 10.0
 _SETTLE_TIMEOUT = 60.0
-_UNSETTLED = (SessionState.STARTING, SessionState.BUSY)
+_UNSETTLED = (SessionState.STARTING, SessionState.BUSY, SessionState.RECOVERING)
 
 InputAnswerer = Callable[[str], Awaitable[str]]
 

@@ -295,12 +295,6 @@ async def test_a_kernel_given_up_says_the_next_call_starts_fresh(
     assert session.asked == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: settle() waits only while STARTING or BUSY (_UNSETTLED); a session still "
-    "RECOVERING is reported as given up ('the next call runs in a fresh session') although "
-    "kernelhub brings it back a moment later",
-)
 async def test_a_kernel_still_recovering_is_waited_for() -> None:
     recovery = RecoveryInfo(
         at=NOW, reason="killed", checkpoint_after_cell=1, lost=[], duration=0.5,
