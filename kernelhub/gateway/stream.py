@@ -298,7 +298,7 @@ async def _send_events(
     try:
         # Subscribed first, flushed second: every event is either in the store or queued.
         await live.fanout.flush()
-        last_seq = live.kernel.last_seq if live.kernel else await manager.store.last_seq(live.id)
+        last_seq = live.fanout.published_seq or await manager.store.last_seq(live.id)
         await send(HelloFrame(session_id=live.id, last_seq=last_seq).model_dump_json())
         while True:
             count = _FIRST_PAGE

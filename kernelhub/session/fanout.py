@@ -131,6 +131,13 @@ class SessionFanout:
         else:
             self._write(item)
 
+    @property
+    def published_seq(self) -> int:
+        """The newest event seq this process published (0 before any): a session's
+        ``last_seq``. Not the kernel's counter, which kernelhub's own silent calls (and
+        checkpoints) also advance without any event a client could be shown."""
+        return self._published_seq
+
     def joins_this_commit(self) -> bool:
         """Whether everything published so far is stored or in this loop turn's commit
         (nothing held back): a write the caller adds now is committed with, or after, it."""

@@ -494,7 +494,7 @@ class SessionManager:
                 stored.reason,
                 await self.store.last_seq(session_id),
             )
-        last = live.kernel.last_seq if live.kernel else await self.store.last_seq(session_id)
+        last = live.fanout.published_seq or await self.store.last_seq(session_id)
         info = live.info(last, self.store.ledger.session_bytes(session_id))
         info.recovery = self.recovery.last(session_id)
         return info

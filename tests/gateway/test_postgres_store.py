@@ -73,7 +73,10 @@ async def test_a_session_lives_in_postgres_across_a_gateway_crash(
         gw.kill9()
         gw.start()  # a new process: everything it knows comes from PostgreSQL
         again = await replay(gw, token, sid)
-        assert [e["seq"] for e in again] == list(range(1, len(again) + 1))  # no gap, no dup
+        seqs = [e["seq"] for e in again]
+        # Increasing, each once. Not consecutive: kernelhub's own silent calls (the checkpoint
+        # after each cell, on by default) take numbers no client is shown.
+        assert seqs == sorted(set(seqs)), seqs
         assert again == live
         text = "".join(e.get("text", "") for e in again if e["type"] == "stream")
         assert "rest 42" in text and "line 299" in text
