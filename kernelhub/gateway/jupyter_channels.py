@@ -297,8 +297,15 @@ class Connection:
         await self.manager.send_input(self.principal, running.id, value)
 
     def _idle_kernel(self) -> Any:
-        kernel = self.live.kernel  # idle: the state machine's ready, nothing queued
-        if self.live.state != SessionState.READY or kernel is None or kernel.queue_length:
+        # Idle: no user cell running or queued. kernelhub's own silent call (the checkpoint
+        # after each cell, on by default) shows the session busy for a moment; a call made
+        # then waits its turn behind it, instead of the client getting no completions.
+        kernel = self.live.kernel
+        state = self.live.state
+        if kernel is None or state not in (SessionState.READY, SessionState.BUSY):
+            return None
+        running = kernel.running
+        if kernel.queue_length or (running is not None and running.internal is None):
             return None
         return kernel
 
