@@ -14,9 +14,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kernelhub.config import Limits
+from kernelhub.config import EngineSettings, Limits
 from kernelhub.execution.engine import KernelSession
 from kernelhub.models import ExecutionStatus
+from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session import state as machine
 from kernelhub.session.fanout import SessionFanout
 from kernelhub.session.state import Operation, SessionState, Transition, Verdict
@@ -163,3 +164,15 @@ def in_flight_bytes(sessions: Mapping[str, LiveSession], owner: str) -> int:
             cells = kernel.queue_length + (kernel.running is not None)
             total += cells * live.limits.output_bytes
     return total
+
+
+async def start_kernel(
+    live: LiveSession, backend: SandboxBackend, engine: EngineSettings, first_seq: int
+) -> KernelSession:
+    """A fresh sandbox and kernel for an existing session (recovery, the hibernation
+    standby), numbered on from ``first_seq``, in its tier's runtime: the one it was
+    created with, after a gateway restart too."""
+    spec = SandboxSpec(
+        session_id=live.id, owner=live.stored.owner, limits=live.limits, runtime=live.stored.runtime
+    )
+    return await KernelSession.start(backend, spec, engine=engine, first_seq=first_seq)

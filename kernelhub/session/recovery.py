@@ -28,8 +28,8 @@ from typing import Literal
 from kernelhub.config import Settings
 from kernelhub.errors import KernelhubError
 from kernelhub.execution.engine import KernelSession
-from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
-from kernelhub.session.live import LiveSession
+from kernelhub.sandbox.base import SandboxBackend
+from kernelhub.session.live import LiveSession, start_kernel
 from kernelhub.session.recorder import Recorder
 from kernelhub.session.state import SessionState, Transition
 from kernelhub.snapshot import calls
@@ -226,17 +226,7 @@ class SessionRecovery:
         return None
 
     async def _start(self, live: LiveSession, first_seq: int) -> KernelSession:
-        kernel = await KernelSession.start(
-            self.backend,
-            SandboxSpec(
-                session_id=live.id,
-                owner=live.stored.owner,
-                limits=live.limits,
-                runtime=live.stored.runtime,  # its tier's, after a gateway restart too
-            ),
-            engine=self.settings.engine,
-            first_seq=first_seq,
-        )
+        kernel = await start_kernel(live, self.backend, self.settings.engine, first_seq)
         self._bind(live, kernel)
         return kernel
 

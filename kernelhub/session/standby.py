@@ -16,9 +16,9 @@ import time
 from kernelhub.config import Settings
 from kernelhub.errors import KernelhubError
 from kernelhub.execution.engine import KernelSession
-from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
+from kernelhub.sandbox.base import SandboxBackend
 from kernelhub.sandbox.state import state_dir
-from kernelhub.session.live import LiveSession
+from kernelhub.session.live import LiveSession, start_kernel
 from kernelhub.store.base import Store
 from kernelhub.store.records import StoredSnapshot
 
@@ -40,17 +40,7 @@ class Standby:
         the restore: importing numpy and pandas is a good part of it)."""
         if first_seq is None:
             first_seq = await self.store.last_seq(live.id)
-        kernel = await KernelSession.start(
-            self.backend,
-            SandboxSpec(
-                session_id=live.id,
-                owner=live.stored.owner,
-                limits=live.limits,
-                runtime=live.stored.runtime,  # its tier's, after a gateway restart too
-            ),
-            engine=self.settings.engine,
-            first_seq=first_seq,
-        )
+        kernel = await start_kernel(live, self.backend, self.settings.engine, first_seq)
         if modules:
             code = "".join(f"__import__({m!r})\n" for m in modules)
             with contextlib.suppress(KernelhubError):
