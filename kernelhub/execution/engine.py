@@ -76,6 +76,7 @@ class KernelSession:
         self._handles: dict[str, ExecutionHandle] = {}
         self._finished: deque[str] = deque()
         self._tasks: list[asyncio.Task[None]] = []
+        self._worker_task: asyncio.Task[None] | None = None  # the one that runs cells
         self._exit: ExitInfo | None = None
         self._closed = False
         self._gate = PauseGate()
@@ -158,8 +159,11 @@ class KernelSession:
         return session
 
     def _start_tasks(self) -> None:
+        self._worker_task = asyncio.create_task(
+            self._worker.run(), name=f"kernelhub-worker-{self.id}"
+        )
         self._tasks = [
-            asyncio.create_task(self._worker.run(), name=f"kernelhub-worker-{self.id}"),
+            self._worker_task,
             asyncio.create_task(self._watch_death(), name=f"kernelhub-death-{self.id}"),
         ]
 
@@ -432,7 +436,7 @@ class KernelSession:
         the kernel is already ours, and queueing behind ourselves would never return."""
         self._check_open()
         handle = ExecutionHandle(uuid.uuid4().hex, code, timeout, internal=dict(expressions))
-        if self._tasks and asyncio.current_task() is self._tasks[0]:
+        if self._worker_task is not None and asyncio.current_task() is self._worker_task:
             await self._run(handle, None)
             return handle.answers(await handle.wait())
         if self._gate.paused:
