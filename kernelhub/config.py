@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kernelhub import KERNEL_PROTOCOL_VERSION
+from kernelhub.cluster.settings import ClusterSettings, ObjectStoreSettings
 from kernelhub.errors import ConfigError
 
 MiB = 1024 * 1024
@@ -533,6 +534,8 @@ class Settings(BaseSettings):
     store: StoreSettings = Field(default_factory=StoreSettings)
     egress: EgressSettings = Field(default_factory=EgressSettings)
     profiles: ProfileSettings = Field(default_factory=ProfileSettings)
+    objects: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     @field_validator("run_dir")
     @classmethod

@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
+from kernelhub.cluster.models import NodeInfo
 from kernelhub.models import Event, ExecutionRecord, ExecutionStatus
 from kernelhub.store.quota import StorageLedger
 from kernelhub.store.records import (
@@ -171,6 +172,41 @@ class Store(ABC):
     async def expired_leases(self, now: datetime) -> list[StoredSession]:
         """Live sessions whose node's lease ran out before ``now``: another node may
         restore them (issue #24)."""
+
+    # -- nodes (issue #24) ---------------------------------------------------------------
+
+    @abstractmethod
+    def upsert_node(self, node: NodeInfo) -> asyncio.Future[None]:
+        """A node agent's heartbeat: its row, created or refreshed (never its ``draining``)."""
+
+    @abstractmethod
+    async def list_nodes(self) -> list[NodeInfo]:
+        """Every node agent that ever beat, alive or not (``NodeInfo.alive``)."""
+
+    @abstractmethod
+    async def get_node(self, node_id: str) -> NodeInfo | None: ...
+
+    @abstractmethod
+    def set_draining(self, node_id: str, draining: bool) -> asyncio.Future[bool]:
+        """Mark a node as taking no new sessions; False if there is no such node."""
+
+    @abstractmethod
+    def delete_node(self, node_id: str) -> asyncio.Future[bool]: ...
+
+    @abstractmethod
+    async def sessions_on(self, node_id: str) -> list[StoredSession]:
+        """The live sessions whose row names ``node_id``."""
+
+    @abstractmethod
+    def claim_session(
+        self,
+        session_id: str,
+        from_node: str | None,
+        to_node: str | None,
+        expires_at: datetime | None,
+    ) -> asyncio.Future[bool]:
+        """Move the session to ``to_node`` if its row still names ``from_node``: True for
+        the one caller that won."""
 
     # -- executions ---------------------------------------------------------------------
 

@@ -226,6 +226,22 @@ def _tier_columns() -> Op[None]:
         yield Query(sql, ddl=True)
 
 
+def _nodes() -> Op[None]:
+    """Version 7 (issue #24): the node agents sharing this store, one row each, kept fresh
+    by their heartbeats: gateways place sessions by these numbers and route to
+    ``address``; a row whose lease ran out is a lost node whose sessions move."""
+    yield Query(
+        "CREATE TABLE IF NOT EXISTS nodes ("
+        "id TEXT PRIMARY KEY, address TEXT NOT NULL, started_at TEXT NOT NULL,"
+        " heartbeat_at TEXT NOT NULL, lease_expires_at TEXT NOT NULL,"
+        " draining INTEGER NOT NULL DEFAULT 0, sessions INTEGER NOT NULL DEFAULT 0,"
+        " memory_total_bytes INTEGER NOT NULL DEFAULT 0,"
+        " memory_free_bytes INTEGER NOT NULL DEFAULT 0, cpu_load REAL NOT NULL DEFAULT 0,"
+        " version TEXT NOT NULL DEFAULT '')",
+        ddl=True,
+    )
+
+
 # Version N+1 is reached by MIGRATIONS[N - 1]; append, never edit or reorder.
 MIGRATIONS: list[Callable[[], Op[None]]] = [
     _storage,
@@ -233,6 +249,7 @@ MIGRATIONS: list[Callable[[], Op[None]]] = [
     _hibernation_column,
     _placement,
     _tier_columns,
+    _nodes,
 ]
 LATEST = 1 + len(MIGRATIONS)
 

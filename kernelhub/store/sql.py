@@ -20,9 +20,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
+from kernelhub.cluster.models import NodeInfo
 from kernelhub.errors import StoreError
 from kernelhub.models import Event, ExecutionRecord, ExecutionStatus
 from kernelhub.store import executions as x
+from kernelhub.store import nodes as nq
 from kernelhub.store import queries as q
 from kernelhub.store.base import Store, Then
 from kernelhub.store.queries import Op
@@ -284,6 +286,35 @@ class SqlStore(Store):
 
     async def expired_leases(self, now: datetime) -> list[StoredSession]:
         return await self._read(q.expired_leases(now), big=True)
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    def upsert_node(self, node: NodeInfo) -> asyncio.Future[None]:
+        return self._now(nq.upsert_node(node))
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        return await self._read(nq.list_nodes())
+
+    async def get_node(self, node_id: str) -> NodeInfo | None:
+        return await self._read(nq.get_node(node_id))
+
+    def set_draining(self, node_id: str, draining: bool) -> asyncio.Future[bool]:
+        return self._now(nq.set_draining(node_id, draining))
+
+    def delete_node(self, node_id: str) -> asyncio.Future[bool]:
+        return self._now(nq.delete_node(node_id))
+
+    async def sessions_on(self, node_id: str) -> list[StoredSession]:
+        return await self._read(nq.sessions_on(node_id), big=True)
+
+    def claim_session(
+        self,
+        session_id: str,
+        from_node: str | None,
+        to_node: str | None,
+        expires_at: datetime | None,
+    ) -> asyncio.Future[bool]:
+        return self._now(nq.claim_session(session_id, from_node, to_node, expires_at))
 
     # -- executions ---------------------------------------------------------------------
 

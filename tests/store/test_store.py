@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kernelhub.cluster.models import NodeInfo
 from kernelhub.config import StorageSettings
 from kernelhub.errors import ConfigError, StoreConflictError, StoreError
 from kernelhub.models import ExecutionStatus, StatusEvent
@@ -36,6 +37,36 @@ from tests.store.rows import (
     statement,
     stream,
 )
+
+
+async def test_node_agents_beat_drain_and_race_for_a_lost_nodes_sessions(store: Store) -> None:
+    beat = NodeInfo(
+        id="n1", address="https://127.0.0.2:8766", started_at=NOW, heartbeat_at=NOW,
+        lease_expires_at=NOW + timedelta(seconds=10), sessions=1, memory_total_bytes=8 << 30,
+        memory_free_bytes=6 << 30, cpu_load=0.25, version="1",
+    )  # fmt: skip
+    await store.upsert_node(beat)
+    await store.upsert_node(beat.model_copy(update={"id": "n2", "address": "https://b:1"}))
+    assert await store.set_draining("n2", True) and not await store.set_draining("nx", True)
+    later = NOW + timedelta(seconds=5)
+    await store.upsert_node(beat.model_copy(update={"id": "n2", "heartbeat_at": later}))
+    nodes = await store.list_nodes()
+    assert [(x.id, x.draining) for x in nodes] == [("n1", False), ("n2", True)]  # beat kept it
+    assert nodes[0] == beat and nodes[1].heartbeat_at == later
+    assert nodes[0].alive(NOW) and not nodes[0].alive(NOW + timedelta(seconds=11))
+    await store.insert_session(session("s1"))
+    assert [s.id for s in await store.sessions_on("n1")] == ["s1"]
+    until = NOW + timedelta(seconds=30)
+    wins = await asyncio.gather(
+        *(store.claim_session("s1", "n1", to, until) for to in ("n2", "n3"))
+    )
+    assert sorted(wins) == [False, True]  # exactly one sweeper takes it
+    moved = await store.get_session("s1")
+    assert moved is not None and moved.node in ("n2", "n3") and moved.lease_expires_at == until
+    assert await store.claim_session("s1", moved.node, None, None)  # hibernated: no node
+    assert await store.claim_session("s1", None, "n1", until)
+    assert await store.get_node("n2") == nodes[1] and await store.get_node("nx") is None
+    assert await store.delete_node("n2") and [x.id for x in await store.list_nodes()] == ["n1"]
 
 
 async def test_sessions_carry_their_node_and_a_lease(store: Store) -> None:

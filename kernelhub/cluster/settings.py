@@ -1,0 +1,55 @@
+"""The cluster's settings (issue #24), kept beside the code that reads them; config.py
+nests them as ``Settings.objects`` and ``Settings.cluster``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+
+class ObjectStoreSettings(BaseModel):
+    """Where snapshots and hibernated sessions live when several nodes share them (issue
+    #24): an S3-compatible bucket. Unset ``endpoint_url`` and ``bucket``: local disk, the
+    single-machine default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint_url: str | None = Field(
+        None, description="the S3 API's URL, e.g. https://s3.eu-west-1.amazonaws.com"
+    )
+    bucket: str | None = Field(None, description="the bucket snapshot blobs go to")
+    prefix: str = Field("kernelhub/", description="key prefix inside the bucket")
+    region: str = Field("us-east-1")
+    access_key_id: SecretStr | None = None
+    secret_access_key: SecretStr | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.bucket is not None
+
+
+class ClusterSettings(BaseModel):
+    """Node agents and gateway replicas (issue #24). A node agent (``kernelhub node``)
+    serves its sandboxes to the cluster's gateways over mutual TLS; a gateway replica
+    (``kernelhub gateway``) places and routes. Both read the shared store."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(
+        None,
+        description="the URL gateways reach this node agent at, e.g. https://10.0.0.5:8766 "
+        "(a node agent's own advertised address)",
+    )
+    ca_file: Path | None = Field(None, description="the cluster CA certificate (PEM)")
+    cert_file: Path | None = Field(None, description="this process's certificate (PEM)")
+    key_file: Path | None = Field(None, description="this process's private key (PEM)")
+    snapshot_key_file: Path | None = Field(
+        None,
+        description="the cluster-wide snapshot MAC key (32+ random bytes), the same file on "
+        "every node; unset: a per-host key in the data dir (one machine only)",
+    )
+    heartbeat_interval: float = Field(2.0, gt=0, description="seconds between heartbeats")
+    lease_ttl: float = Field(
+        10.0, gt=0, description="seconds without a heartbeat before a node counts as lost"
+    )
