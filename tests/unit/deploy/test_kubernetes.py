@@ -16,10 +16,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kernelhub.cli import build_parser
 from kernelhub.image.gateway import gateway_tag
 from tests.unit.deploy.netpol import Endpoint, reachable
-from tests.unit.deploy.settings_env import load_with, setting
+from tests.unit.deploy.settings_env import check_command, load_with, setting
 
 REPO = Path(__file__).resolve().parents[3]
 KUBE = REPO / "deploy" / "kubernetes"
@@ -207,15 +206,9 @@ def test_a_renamed_setting_would_fail_the_check() -> None:
 
 
 def test_the_commands_exist() -> None:
-    parser = build_parser()
-    [sub] = [a for a in parser._actions if a.dest == "command"]
-    commands = set(sub.choices)  # type: ignore[arg-type]
-    for workload, pod in workloads():
+    for _, pod in workloads():
         for container in pod["containers"]:
-            command = container["args"][0]
-            if command not in commands and {"node", "gateway"} - commands:
-                pytest.skip(f"`kernelhub {command}` is not in this tree yet (the cluster branch)")
-            assert command in commands, f"{workload['metadata']['name']}: kernelhub {command}"
+            check_command(container["args"][0])
 
 
 def test_every_secret_and_config_map_a_pod_mounts_exists() -> None:
