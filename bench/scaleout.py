@@ -34,7 +34,7 @@ import docker
 import httpx
 import psutil
 from gateway import Gateway, create_session, delete_session, rest_roundtrip
-from memory import container_pss, container_usage
+from memory import container_pss, container_usage, process_memory
 
 from kernelhub.sandbox.base import LABEL_INSTANCE, LABEL_SESSION
 from tests.postgres import PostgresCluster, problem
@@ -106,12 +106,13 @@ def session_container(client: docker.DockerClient, sid: str) -> Any:
     return container
 
 
-def shim_rss(container: Any) -> int:
-    """RSS of the containerd-shim that holds the sandbox's init process (one per container)."""
+def shim_memory(container: Any) -> tuple[int, int | None]:
+    """(RSS, PSS) of the containerd-shim that holds the sandbox's init process (one per
+    container; its code is shared between shims, which PSS counts fairly)."""
     container.reload()
     parent = psutil.Process(int(container.attrs["State"]["Pid"])).parent()
     assert parent is not None and "shim" in parent.name(), parent
-    return int(parent.memory_info().rss)
+    return process_memory(parent.pid)
 
 
 async def memory(gw: Gateway, http: httpx.AsyncClient, n: int) -> dict[str, Any]:
@@ -130,7 +131,7 @@ async def memory(gw: Gateway, http: httpx.AsyncClient, n: int) -> dict[str, Any]
         containers = [session_container(client, sid) for sid in sids]
         usage = [container_usage(c)[0] for c in containers]
         pss = [container_pss(c) for c in containers]
-        shims = [shim_rss(c) for c in containers]
+        shims = [shim_memory(c) for c in containers]
         await rest_roundtrip(http, sids[0], WORKLOAD)
         await asyncio.sleep(2)
         working, working_raw = container_usage(containers[0])
@@ -148,7 +149,8 @@ async def memory(gw: Gateway, http: httpx.AsyncClient, n: int) -> dict[str, Any]
         "idle_pss_mib_median": mib(statistics.median(p for p in pss if p is not None))
         if any(p is not None for p in pss)
         else None,
-        "shim_rss_mib_median": mib(statistics.median(shims)),
+        "shim_rss_mib_median": mib(statistics.median(rss for rss, _ in shims)),
+        "shim_pss_mib_median": mib(statistics.median(pss or 0 for _, pss in shims)),
         "working_cgroup_mib": mib(working),
         "working_cgroup_raw_mib": mib(working_raw),
         "working_pss_mib": mib(working_pss) if working_pss is not None else None,
@@ -183,6 +185,11 @@ async def store_writes(http: httpx.AsyncClient, url: str, cells: int) -> dict[st
         ("checkpoints every cell, print(i)", {}, "print({i})"),
         ("checkpoints off, print(i)", {"checkpoints": "off"}, "print({i})"),
         ("checkpoints off, x = i (no output)", {"checkpoints": "off"}, "x = {i}"),
+        (
+            "checkpoints off, 20 prints 10 ms apart (streamed output)",
+            {"checkpoints": "off"},
+            "import time\nfor j in range(20):\n    print({i}, j, flush=True); time.sleep(0.01)",
+        ),
     ):
         sid = await create_session(http, body)
         await rest_roundtrip(http, sid)
@@ -203,10 +210,50 @@ async def store_writes(http: httpx.AsyncClient, url: str, cells: int) -> dict[st
     return report
 
 
+async def leases(url: str, sessions: int, rounds: int = 10) -> dict[str, Any]:
+    """A heartbeat's lease renewal (``Store.renew_leases``: one UPDATE of every live
+    session row of the node) with ``sessions`` rows on one node, most of them hibernated:
+    seconds, rows and WAL per renewal."""
+    from datetime import UTC, datetime, timedelta
+
+    from kernelhub.store.postgres import PostgresStore
+    from kernelhub.store.records import StoredSession
+
+    store = await PostgresStore.open(url, node="n1")
+    try:
+        now = datetime.now(UTC)
+        for i in range(sessions):
+            row = StoredSession(
+                id=f"s{i:06d}", owner="bench", backend="docker",
+                state="hibernated" if i % 30 else "ready", created_at=now,
+                limits={"memory_bytes": 512 * 2**20}, metadata={"task": "bench"},
+                reason=None, deleted_at=None, hibernation=f"hib-{i:012d}",
+            )  # fmt: skip
+            await store.insert_session(row)
+        times = []
+
+        async def renew() -> None:
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                renewed = await store.renew_leases("n1", now + timedelta(seconds=10 + r))
+                times.append(time.perf_counter() - t0)
+                assert renewed == sessions, renewed
+
+        counted, _ = await measured(url, renew)
+    finally:
+        await store.close()
+    return {
+        "sessions": sessions,
+        "renewal_seconds_median": round(statistics.median(times), 4),
+        "per_renewal": {k: round(v / rounds) for k, v in counted.items()},
+    }
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--cells", type=int, default=100)
+    parser.add_argument("--leases", type=int, default=10_000, help="session rows on one node")
     args = parser.parse_args()
     if (why := problem()) is not None:
         raise SystemExit(f"no PostgreSQL here: {why}")
@@ -230,6 +277,7 @@ async def main() -> None:
                 "snapshot_bytes": await blobs(http),
                 "store": await store_writes(http, pg.url, args.cells),
             }
+        report["leases"] = await leases(pg.fresh_url(), args.leases)
     finally:
         await gw.stop()
         pg.stop()

@@ -129,3 +129,5 @@ def test_every_kernelhub_variable_names_a_setting_and_the_values_load(
             settings = load_with(env, m)
         assert settings.store.url is not None
         assert settings.store.url.get_secret_value().endswith("@postgres:5432/kernelhub")
+        if name in NODES:
+            assert settings.gateway.hibernate_standby is False, "10,000 idle standbys"

@@ -112,6 +112,8 @@ def test_the_services_variables_name_settings_that_load(
     assert settings.cluster.ca_file is not None and settings.store.url is not None
     # The state directory systemd makes is the one kernelhub is told to use.
     assert str(settings.data_dir) == f"/var/lib/{one(unit, 'StateDirectory')}"
+    if command == "node":
+        assert settings.gateway.hibernate_standby is False, "10,000 idle standbys"
 
 
 def test_the_services_commands_exist() -> None:
