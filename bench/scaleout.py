@@ -122,10 +122,11 @@ async def memory(gw: Gateway, http: httpx.AsyncClient, n: int) -> dict[str, Any]
     await delete_session(http, warm)
     await asyncio.sleep(2)
     rss0 = gw.rss()
-    sids = [await create_session(http) for _ in range(n)]
+    sids: list[str] = []
     try:
-        for sid in sids:
-            await rest_roundtrip(http, sid)
+        for _ in range(n):
+            sids.append(await create_session(http))
+            await rest_roundtrip(http, sids[-1])
         await asyncio.sleep(3)  # idle, start-up garbage collected
         rss_n = gw.rss()
         containers = [session_container(client, sid) for sid in sids]
@@ -268,6 +269,8 @@ async def main() -> None:
             "KERNELHUB_STORE__URL": url,
             "KERNELHUB_RUN_DIR": "/run/kh-scaleout",
             "KERNELHUB_POOL__SIZE": "0",
+            "KERNELHUB_GATEWAY__MAX_SESSIONS": str(args.sessions + 8),
+            "KERNELHUB_GATEWAY__MAX_SESSIONS_PER_PRINCIPAL": str(args.sessions + 8),
         },
     )
     try:
