@@ -6,7 +6,7 @@ never contacts a container registry and the docker build has no network:
     base image       the local debootstrapped base (made with debootstrap if missing), or
                      the ``base`` the caller names; probed for its Python and glibc
     wheels           ``gateway-image/requirements.txt`` (the locked closure of
-                     ``kernelhub[server]``) downloaded on the host for that platform,
+                     ``kernelhub[server,postgres]``) downloaded on the host for that platform,
                      cached like the kernel image's (:mod:`kernelhub.image.wheels`)
     kernelhub wheel  ``pip wheel --no-deps`` of the source checkout, built fresh each time
     docker build     ``gateway-image/Dockerfile``, network disabled, ``--no-index`` install

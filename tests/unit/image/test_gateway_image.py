@@ -192,7 +192,7 @@ def test_dockerfile_installs_offline_and_checks_the_result() -> None:
     body = " ".join(rest for keyword, rest in instructions() if keyword == "RUN")
     installs = re.findall(r"pip install[^;]*", body)
     assert installs and all("--no-index" in cmd for cmd in installs)
-    assert '"kernelhub[server]==${KERNELHUB_VERSION}"' in body
+    assert '"kernelhub[server,postgres]==${KERNELHUB_VERSION}"' in body
     assert "pip check" in body
     assert instructions()[0] == ("ARG", "BASE=kernelhub/base:bookworm")
     # Only the final stage ships; the wheels never reach it.
@@ -239,7 +239,8 @@ def lock() -> dict[str, str]:
 
 def roots() -> list[Requirement]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    lines = [*project["dependencies"], *project["optional-dependencies"]["server"]]
+    extras = project["optional-dependencies"]
+    lines = [*project["dependencies"], *extras["server"], *extras["postgres"]]
     return [Requirement(line.split("#")[0].strip()) for line in lines]
 
 
