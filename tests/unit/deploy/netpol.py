@@ -99,17 +99,11 @@ def _allowed(
 
 
 def reachable(
-    policies: Iterable[Mapping[str, Any]],
-    source: Endpoint,
-    destination: Endpoint,
-    port: int,
-    protocol: str = "TCP",
+    policies: Iterable[Mapping[str, Any]], source: Endpoint, destination: Endpoint, port: int
 ) -> bool:
-    """Whether a connection from ``source`` to ``destination:port`` gets through: the
+    """Whether a TCP connection from ``source`` to ``destination:port`` gets through: the
     source's egress policies and the destination's ingress policies both allow it."""
     policies = list(policies)
-    if source.is_pod and not _allowed(policies, "Egress", source, destination, port, protocol):
+    if source.is_pod and not _allowed(policies, "Egress", source, destination, port, "TCP"):
         return False
-    return not destination.is_pod or _allowed(
-        policies, "Ingress", destination, source, port, protocol
-    )
+    return not destination.is_pod or _allowed(policies, "Ingress", destination, source, port, "TCP")
