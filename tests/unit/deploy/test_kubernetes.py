@@ -117,7 +117,7 @@ def test_strict_validation_catches_a_misspelt_field() -> None:
     _, pod = the(GATEWAY)
     broken = {**the(GATEWAY)[0]}
     broken["spec"] = {**broken["spec"], "template": {"spec": {**pod, "securtyContext": {}}}}
-    with pytest.raises(kubernetes_validate.ValidationError):
+    with pytest.raises(kubernetes_validate.ValidationError, match="securtyContext"):
         kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)
 
 
