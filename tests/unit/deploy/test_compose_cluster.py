@@ -45,11 +45,16 @@ def compose(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
 
 
 @pytest.fixture(scope="module")
-def services() -> dict[str, Any]:
+def config() -> dict[str, Any]:
     result = compose("config", env=SECRETS)
     assert result.returncode == 0, result.stderr
-    config = yaml.safe_load(result.stdout)
-    assert isinstance(config, dict)
+    parsed = yaml.safe_load(result.stdout)
+    assert isinstance(parsed, dict)
+    return parsed
+
+
+@pytest.fixture(scope="module")
+def services(config: dict[str, Any]) -> dict[str, Any]:
     parsed: dict[str, Any] = config["services"]
     return parsed
 
@@ -78,9 +83,8 @@ def test_only_the_gateways_publish_and_only_on_loopback(services: dict[str, Any]
 
 
 def test_postgres_s3_and_the_agents_are_on_internal_networks_only(
-    services: dict[str, Any],
+    config: dict[str, Any], services: dict[str, Any]
 ) -> None:
-    config = yaml.safe_load(compose("config", env=SECRETS).stdout)
     internal = {n for n, net in config["networks"].items() if (net or {}).get("internal")}
     for name in ("postgres", "s3", *NODES):
         assert set(services[name]["networks"]) <= internal, name
