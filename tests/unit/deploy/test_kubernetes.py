@@ -276,7 +276,7 @@ def test_node_agents_get_the_docker_socket_and_the_run_dir_and_nothing_more() ->
         ["/var/run/docker.sock", run_dir, "/var/lib/kernelhub"]
     )
     assert {h["path"]: h["type"] for h in host_paths.values()}["/var/run/docker.sock"] == "Socket"
-    # No tmpfs there, no pod: never an uncapped directory in its place.
+    # Never created by the kubelet: without the host's tmpfs mount, no pod.
     assert {h["path"]: h["type"] for h in host_paths.values()}[run_dir] == "Directory"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     for name, host in host_paths.items():
