@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kernelhub.image.gateway import gateway_tag
+from kernelhub.image.gateway import GATEWAY_VENV, gateway_tag
 from tests.unit.deploy.netpol import Endpoint, reachable
 from tests.unit.deploy.settings_env import check_command, load_with, setting
 
@@ -211,6 +211,25 @@ def test_the_commands_exist() -> None:
     for _, pod in workloads():
         for container in pod["containers"]:
             check_command(container["args"][0])
+
+
+def test_exec_probes_run_the_images_python_on_the_mounted_script() -> None:
+    for workload, pod in workloads():
+        for container in pod["containers"]:
+            mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
+            scripts = {
+                f"{mounts[v['name']]}/{key}"
+                for v in pod.get("volumes", [])
+                if "configMap" in v and v["name"] in mounts
+                for config in of_kind("ConfigMap")
+                if config["metadata"]["name"] == v["configMap"]["name"]
+                for key in config["data"]
+            }
+            for probe in ("readinessProbe", "livenessProbe"):
+                if "exec" in container[probe]:
+                    python, script, _ = container[probe]["exec"]["command"]
+                    assert python == f"{GATEWAY_VENV}/bin/python", workload["metadata"]["name"]
+                    assert script in scripts, f"{script} is not a mounted ConfigMap key"
 
 
 def test_every_secret_and_config_map_a_pod_mounts_exists() -> None:
