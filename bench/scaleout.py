@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -284,6 +285,7 @@ async def main() -> None:
     finally:
         await gw.stop()
         pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(report, indent=2))
 
 

@@ -125,4 +125,10 @@ def test_the_manifests_environment_serves_a_session(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        # A stopped agent leaves its sandboxes (and their mounts) for re-adoption, on
+        # purpose; the reaper removes them as it would on a machine.
+        subprocess.run(
+            [sys.executable, "-m", "kernelhub.cli", "reap"],
+            env=node_env, capture_output=True, timeout=120 * UNIT,
+        )  # fmt: skip
         remove_sandboxes(instance)
