@@ -75,7 +75,7 @@ class RetentionSweeper:
                 elif took < STEP_TIME / 2:
                     rows = min(4096, rows * 2)
         for snapshot_id in await self.store.drop_session(session_id):
-            self.blobs.remove(snapshot_id)
+            await self.blobs.delete(snapshot_id)
         if self.on_purged is not None:
             await self.on_purged(session_id)
         log.info("purged session %s from the store", session_id)

@@ -1,0 +1,73 @@
+"""Which blob store the settings make, and the MAC key it signs with: the cluster's key
+file when set (the same MACs on every node), a per-host key otherwise, and no object
+storage without the cluster's key."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kernelhub.config import load_settings
+from kernelhub.errors import ConfigError
+from kernelhub.snapshot.blobs import BlobStore, blob_store
+from kernelhub.snapshot.s3 import S3BlobStore
+
+# Nothing listens here; making a store must not connect anywhere.
+BUCKET = {"endpoint_url": "http://127.0.0.1:9", "bucket": "snaps"}
+
+
+def key_file(path: Path, size: int = 32) -> Path:
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def test_object_storage_without_the_cluster_key_refuses_to_start(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path, objects=BUCKET)
+    with pytest.raises(ConfigError, match="KERNELHUB_CLUSTER__SNAPSHOT_KEY_FILE") as err:
+        blob_store(settings)
+    assert "snaps" in str(err.value)
+    assert not (tmp_path / "snapshot.key").exists()  # no per-host key was made instead
+
+
+@pytest.mark.parametrize(("size", "said"), [(None, "cannot read"), (16, "holds 16 bytes")])
+def test_an_unusable_key_file_names_itself_and_the_knob(
+    tmp_path: Path, size: int | None, said: str
+) -> None:
+    path = tmp_path / "cluster.key"
+    if size is not None:
+        key_file(path, size)
+    settings = load_settings(data_dir=tmp_path, cluster={"snapshot_key_file": path})
+    with pytest.raises(ConfigError, match="KERNELHUB_CLUSTER__SNAPSHOT_KEY_FILE") as err:
+        blob_store(settings)
+    assert said in str(err.value) and str(path) in str(err.value)
+
+
+def test_the_cluster_key_gives_every_node_the_same_macs(tmp_path: Path) -> None:
+    shared = key_file(tmp_path / "cluster.key")
+    nodes = [
+        blob_store(
+            load_settings(
+                data_dir=tmp_path / name, objects=BUCKET, cluster={"snapshot_key_file": shared}
+            )
+        )
+        for name in ("a", "b")
+    ]
+    assert all(isinstance(n, S3BlobStore) for n in nodes)
+    macs = {n.mac("s1", "alice", "ab" * 32) for n in nodes}
+    assert len(macs) == 1
+    assert nodes[0].mac("s1", "bob", "ab" * 32) not in macs  # bound to the owner
+    # Without object storage the key file still replaces the per-host key.
+    local = blob_store(
+        load_settings(data_dir=tmp_path / "c", cluster={"snapshot_key_file": shared})
+    )
+    assert type(local) is BlobStore and local.mac("s1", "alice", "ab" * 32) in macs
+    assert not (tmp_path / "c" / "snapshot.key").exists()
+
+
+def test_without_a_key_file_each_host_has_its_own_key(tmp_path: Path) -> None:
+    a, b = (blob_store(load_settings(data_dir=tmp_path / n)) for n in ("a", "b"))
+    assert type(a) is BlobStore
+    assert a.mac("s1", "alice", "00") != b.mac("s1", "alice", "00")
+    assert (tmp_path / "a" / "snapshot.key").stat().st_mode & 0o077 == 0
