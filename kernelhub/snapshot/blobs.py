@@ -22,16 +22,19 @@ The calling contract (``session.continuity``, ``store.retention``):
   brought from the bucket first if this host lacks it (and checked before it is
   returned); ``NotFoundError`` if there is no data for it anywhere.
 - ``await delete(id)`` removes the blob everywhere (retention, rewind, session delete);
-  ``remove(id)`` only this host's copy (a capture that failed half way).
+  ``remove(id)`` only this host's copy (a capture that failed half way); ``prune`` (the
+  retention sweep, now and then) the local copies of snapshots whose rows are gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
 import secrets
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -149,6 +152,27 @@ class BlobStore:
     async def delete(self, snapshot_id: str) -> None:
         """The blob, wherever it is kept."""
         self.remove(snapshot_id)
+
+    async def prune(self, has_row: Callable[[str], Awaitable[bool]], older_than: float) -> int:
+        """Remove this host's files that no snapshot row names any more (one deleted by
+        another node, a capture or download a crash cut short), untouched for
+        ``older_than`` seconds (a capture and its upload write the file before its row).
+        Returns how many went."""
+        if not self.root.is_dir():
+            return 0
+        cutoff = time.time() - older_than
+        removed = 0
+        for entry in list(os.scandir(self.root)):
+            name = entry.name
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat().st_mtime > cutoff:
+                    continue
+                if name.endswith(".part") or (
+                    name.endswith(".blob") and not await has_row(name.removesuffix(".blob"))
+                ):
+                    os.unlink(entry.path)
+                    removed += 1
+        return removed
 
 
 def too_large(max_bytes: int) -> TooLargeError:
