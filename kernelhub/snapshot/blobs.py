@@ -15,7 +15,7 @@ restore it. :func:`blob_store` picks one from the settings.
 The calling contract (``session.continuity``, ``store.retention``):
 
 - ``prepare(id)`` names the new file a capture streams into (``transfer.receive``);
-  then ``await commit(id)`` makes it durable. A snapshot counts as stored, and gets its
+  then ``await commit(id, cache=...)`` makes it durable. A snapshot counts as stored, and gets its
   row, only once ``commit`` returned: a node that dies right after still leaves it
   readable by the others.
 - ``await fetch(id, owner, sha256, mac, max_bytes)`` is the local file a restore sends,
@@ -103,9 +103,11 @@ class BlobStore:
         self._secret()
         return self.path(snapshot_id)
 
-    async def commit(self, snapshot_id: str) -> None:
+    async def commit(self, snapshot_id: str, *, cache: bool = True) -> None:
         """The blob written at ``prepare(id)`` is durable once this returns. On local
-        disk it already is."""
+        disk it already is. ``cache=False``: the local file is not worth keeping once the
+        blob is stored elsewhere (a hibernation's: the wake here restores from the capture
+        kept in the state directory)."""
 
     def existing(self, snapshot_id: str) -> Path:
         """The blob's path; ``NotFoundError`` if this host has no data for it."""

@@ -90,8 +90,15 @@ class S3BlobStore(BlobStore):
                 )
             return self._client
 
-    async def commit(self, snapshot_id: str) -> None:
-        await asyncio.to_thread(self._upload, snapshot_id)
+    async def commit(self, snapshot_id: str, *, cache: bool = True) -> None:
+        abandoned = threading.Event()
+        try:
+            await asyncio.to_thread(self._upload, snapshot_id, abandoned)
+        except asyncio.CancelledError:
+            abandoned.set()  # the thread runs on: what it stores, no row will name
+            raise
+        if not cache:
+            self.remove(snapshot_id)
 
     async def fetch(
         self, snapshot_id: str, owner: str, sha256: str, mac: str, max_bytes: int
@@ -108,12 +115,14 @@ class S3BlobStore(BlobStore):
 
     # -- blocking halves, on worker threads -------------------------------------------
 
-    def _upload(self, snapshot_id: str) -> None:
+    def _upload(self, snapshot_id: str, abandoned: threading.Event) -> None:
         key = self.object_key(snapshot_id)
         with self._translated("uploading", key):
             self.client().upload_file(
                 str(self.path(snapshot_id)), self.bucket, key, Config=self._transfer
             )
+        if abandoned.is_set():
+            self._delete(snapshot_id)
 
     def _delete(self, snapshot_id: str) -> None:
         key = self.object_key(snapshot_id)

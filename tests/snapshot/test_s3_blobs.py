@@ -5,6 +5,7 @@ owner, or signed with another key is refused, and nothing of it is left on disk.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from kernelhub.config import load_settings
 from kernelhub.errors import InvalidRequestError, NotFoundError, StoreError, TooLargeError
 from kernelhub.snapshot.blobs import BlobStore, blob_store
 from kernelhub.snapshot.s3 import S3BlobStore
+from tests.conftest import eventually
 from tests.objects import S3Server
 
 pytestmark = pytest.mark.s3
@@ -127,3 +129,26 @@ async def test_an_unreachable_bucket_is_a_store_error_naming_the_knob(
     await a.write("blob3", chunks(b"x" * 100), LIMIT)
     with pytest.raises(StoreError, match="KERNELHUB_OBJECTS__BUCKET"):
         await a.commit("blob3")
+
+
+async def test_a_hibernation_blob_is_not_cached_and_an_abandoned_upload_leaves_nothing(
+    node: object, s3_server: S3Server
+) -> None:
+    a = node("a")  # type: ignore[operator]
+    await a.write("hib", chunks(b"h" * 1000), LIMIT)
+    await a.commit("hib", cache=False)
+    assert s3_server.keys(a.bucket) == {a.object_key("hib"): 1000} and local_files(a) == []
+    # A capture cancelled while its blob goes up (the gateway stopping): it gets no row,
+    # so the object must not stay behind either.
+    await a.write("cut", chunks(os.urandom(40 * 2**20)), LIMIT)
+    seen: list[str] = []
+    events = a.client().meta.events
+    events.register("before-call.s3.UploadPart", lambda **_: seen.append("part"))
+    events.register("after-call.s3.CompleteMultipartUpload", lambda **_: seen.append("done"))
+    upload = asyncio.ensure_future(a.commit("cut"))
+    await eventually(lambda: "part" in seen, 30)  # under way in its thread
+    upload.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await upload
+    await eventually(lambda: "done" in seen, 30)  # the thread ran on to the end
+    await eventually(lambda: a.object_key("cut") not in s3_server.keys(a.bucket), 10)
