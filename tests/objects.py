@@ -84,23 +84,18 @@ class S3Server:
         self.client().create_bucket(Bucket=name)
         return name
 
-    def env(self, bucket: str) -> dict[str, str]:
-        """The variables that point a kernelhub process at ``bucket``."""
-        return {
-            "KERNELHUB_OBJECTS__ENDPOINT_URL": self.endpoint_url,
-            "KERNELHUB_OBJECTS__BUCKET": bucket,
-            "KERNELHUB_OBJECTS__ACCESS_KEY_ID": self.access_key,
-            "KERNELHUB_OBJECTS__SECRET_ACCESS_KEY": self.secret_key,
-        }
-
-    def settings(self, bucket: str) -> dict[str, Any]:
-        """The same, as ``Settings(objects=...)``."""
+    def settings(self, bucket: str) -> dict[str, str]:
+        """What points kernelhub at ``bucket``, as ``Settings(objects=...)``."""
         return {
             "endpoint_url": self.endpoint_url,
             "bucket": bucket,
             "access_key_id": self.access_key,
             "secret_access_key": self.secret_key,
         }
+
+    def env(self, bucket: str) -> dict[str, str]:
+        """The same, as the variables of a kernelhub process."""
+        return {f"KERNELHUB_OBJECTS__{k.upper()}": v for k, v in self.settings(bucket).items()}
 
     def client(self) -> Any:
         """A boto3 client of the test's own, to look into (and tamper with) buckets."""
