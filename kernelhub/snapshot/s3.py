@@ -59,7 +59,10 @@ class S3BlobStore(BlobStore):
         )
 
     def object_key(self, snapshot_id: str) -> str:
-        return f"{self.objects.prefix}snapshots/{snapshot_id}.blob"
+        prefix = self.objects.prefix.strip("/")
+        return (
+            f"{prefix}/snapshots/{snapshot_id}.blob" if prefix else f"snapshots/{snapshot_id}.blob"
+        )
 
     def client(self) -> Any:
         """The boto3 client, made on first use (on a worker thread: it reads files)."""

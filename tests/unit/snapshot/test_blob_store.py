@@ -71,3 +71,24 @@ def test_without_a_key_file_each_host_has_its_own_key(tmp_path: Path) -> None:
     assert type(a) is BlobStore
     assert a.mac("s1", "alice", "00") != b.mac("s1", "alice", "00")
     assert (tmp_path / "a" / "snapshot.key").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize(
+    ("prefix", "key"),
+    [
+        ("kernelhub/", "kernelhub/snapshots/s1.blob"),
+        ("team-a", "team-a/snapshots/s1.blob"),
+        ("/a/b/", "a/b/snapshots/s1.blob"),
+        ("", "snapshots/s1.blob"),
+    ],
+)
+def test_object_keys_are_under_the_prefix_with_or_without_its_slash(
+    tmp_path: Path, prefix: str, key: str
+) -> None:
+    settings = load_settings(
+        data_dir=tmp_path,
+        objects={**BUCKET, "prefix": prefix},
+        cluster={"snapshot_key_file": key_file(tmp_path / "k")},
+    )
+    store = blob_store(settings)
+    assert isinstance(store, S3BlobStore) and store.object_key("s1") == key
