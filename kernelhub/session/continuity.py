@@ -448,8 +448,8 @@ class Continuity:
                 kernel.call(calls.capture_stream(name), calls.RESULT, timeout=timeout),
             )
             result = calls.result(answers)
-            # Stored (in the bucket) before its row is; a kept capture is the local copy.
-            await self.blobs.commit(snapshot_id, cache=keep_as is None)
+            # In the bucket before its row; a hibernation wakes from the kept capture.
+            await self.blobs.commit(snapshot_id, cache=kind == "snapshot")
         except BaseException:
             self.blobs.remove(snapshot_id)
             if keep_as is not None:
