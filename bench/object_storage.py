@@ -9,7 +9,9 @@ directory: the times are kernelhub's side of the transfer (boto3, a multipart up
 16 MiB parts, the download hashed and MAC-checked as it arrives) with no network in the
 way, a floor for a real bucket, not a prediction of one. The sizes are what they are
 anywhere. The sessions run on a gateway of its own (real Docker sandboxes) with
-``KERNELHUB_GATEWAY__HIBERNATE_AFTER=2``.
+``KERNELHUB_GATEWAY__HIBERNATE_AFTER=2``; beside each hibernated session's bytes in the
+bucket, what its node still holds for it (the state directory: the capture a wake on the
+same node restores from, and the checkpoints for rewind).
 """
 
 from __future__ import annotations
@@ -76,12 +78,25 @@ async def transfer_times(s3: S3Server, root: Path, runs: int) -> dict[str, list[
     return out
 
 
+def tree_bytes(path: Path) -> int:
+    """Bytes under ``path``, each hard-linked file once (checkpoints share files)."""
+    seen: dict[int, int] = {}
+    for p in path.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            seen[st.st_ino] = st.st_size
+    return sum(seen.values())
+
+
 async def hibernated_bytes(s3: S3Server, root: Path) -> dict[str, int]:
     bucket = s3.fresh_bucket()
+    instance = f"bobj-{uuid.uuid4().hex[:6]}"
+    run_dir = Path(f"/tmp/{instance}")
     gw = await Gateway.launch(
         root / "gw",
-        instance=f"bobj-{uuid.uuid4().hex[:6]}",
+        instance=instance,
         env={
+            "KERNELHUB_RUN_DIR": str(run_dir),
             "KERNELHUB_GATEWAY__HIBERNATE_AFTER": "2",
             "KERNELHUB_GATEWAY__HIBERNATE_STANDBY": "false",
             "KERNELHUB_POOL__SIZE": "0",
@@ -102,7 +117,11 @@ async def hibernated_bytes(s3: S3Server, root: Path) -> dict[str, int]:
                 while (await http.get(f"/v1/sessions/{sid}")).json()["state"] != "hibernated":
                     assert time.monotonic() < deadline, "never hibernated"
                     await asyncio.sleep(0.2)
-                sizes[name] = sum(s3.keys(bucket).values())
+                sizes[f"{name}: in the bucket"] = sum(s3.keys(bucket).values())
+                # What it still holds on its node: the kept capture (the fast wake) and
+                # its checkpoints (rewind), in the state directory, a tmpfs: host memory.
+                state = tree_bytes(run_dir / instance / f"{sid}.state")
+                sizes[f"{name}: on its node (state directory)"] = state
                 await http.delete(f"/v1/sessions/{sid}")
     finally:
         await gw.stop()
@@ -128,7 +147,7 @@ async def main() -> None:
         print(f"{what} of a 100 MiB blob: {median:.3f} s median of {len(values)} "
               f"({100 / median:.0f} MiB/s; runs {', '.join(f'{v:.3f}' for v in values)})")  # fmt: skip
     for what, size in sizes.items():
-        print(f"one hibernated session, {what}: {size} bytes ({size / MiB:.2f} MiB) in the bucket")
+        print(f"one hibernated session, {what}: {size} bytes ({size / MiB:.2f} MiB)")
 
 
 if __name__ == "__main__":

@@ -327,12 +327,12 @@ class Continuity:
                 return
             # Listed as hibernated only once the sandbox is really gone; a request that
             # arrives meanwhile waits (the state machine: ready, with no kernel yet), then
-            # finds it hibernated and wakes it, after this lock. The state directory stays:
-            # the wake restores from the capture kept there (the blob is for when it is
-            # gone: a gateway restart reaps it), and rewind from its checkpoints.
+            # finds it hibernated and wakes it, after this lock. The state directory stays
+            # unless told otherwise: the wake restores from the capture kept there (the blob
+            # is for when it is gone), and rewind from its checkpoints.
             live.kernel, live.hibernating = None, True
             try:
-                await kernel.close(keep_state=True)
+                await kernel.close(keep_state=gateway.hibernate_keep_state)
             finally:
                 live.hibernating = False
                 live.hibernation = info.id

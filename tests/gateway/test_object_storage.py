@@ -121,10 +121,13 @@ async def test_a_snapshot_taken_on_one_node_restores_on_another(cluster: Cluster
 
 
 async def test_a_session_hibernated_on_one_node_wakes_on_another(cluster: Cluster) -> None:
+    # Node a keeps nothing for a hibernated session (the many-sessions-per-node setting);
+    # node b never saw a's disk either way.
     a = cluster.node(
         "a",
         KERNELHUB_GATEWAY__HIBERNATE_AFTER=str(2 * UNIT),
         KERNELHUB_GATEWAY__HIBERNATE_STANDBY="false",
+        KERNELHUB_GATEWAY__HIBERNATE_KEEP_STATE="false",
     )
     token = a.token("alice")
     async with httpx.AsyncClient(base_url=a.url, timeout=120 * UNIT) as on_a:
@@ -138,8 +141,11 @@ async def test_a_session_hibernated_on_one_node_wakes_on_another(cluster: Cluste
             await asyncio.sleep(0.1)
     [(key, size)] = cluster.blobs().items()
     assert key.startswith("kernelhub/snapshots/") and size > 8 * 10**6  # x alone is 8 MB
-    # The bucket holds it; node a keeps only the capture in the state directory.
+    # The bucket holds it; node a, nothing: no blob file, no state directory.
     assert local_blobs(a) == []
+    instance = a.env["KERNELHUB_GATEWAY__INSTANCE"]
+    assert not (gateway_run_dir() / instance / f"{sid}.state").exists()
+    assert (gateway_run_dir() / instance).is_dir()  # (where it would have been)
     a.stop()  # node a is gone; node b has never seen its disk
     b = cluster.node("b")
     async with httpx.AsyncClient(base_url=b.url, timeout=120 * UNIT) as on_b:
