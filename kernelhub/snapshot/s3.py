@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +36,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 from kernelhub.cluster.settings import ObjectStoreSettings
 from kernelhub.errors import NotFoundError, StoreError
 from kernelhub.snapshot.blobs import CHUNK, BlobStore, too_large
+
+log = logging.getLogger(__name__)
 
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 # Parts in flight per upload: enough to keep a link busy, few enough for a 2-core node
@@ -95,11 +99,13 @@ class S3BlobStore(BlobStore):
 
     async def commit(self, snapshot_id: str, *, cache: bool = True) -> None:
         abandoned = threading.Event()
+        t0 = time.monotonic()
         try:
             await asyncio.to_thread(self._upload, snapshot_id, abandoned)
         except asyncio.CancelledError:
             abandoned.set()  # the thread runs on: what it stores, no row will name
             raise
+        log.debug("snapshot %s uploaded in %.2f s", snapshot_id, time.monotonic() - t0)
         if not cache:
             self.remove(snapshot_id)
 
@@ -110,7 +116,10 @@ class S3BlobStore(BlobStore):
         if target.is_file():
             return target
         self._secret()
-        return await asyncio.to_thread(self._download, snapshot_id, owner, sha256, mac, max_bytes)
+        t0 = time.monotonic()
+        path = await asyncio.to_thread(self._download, snapshot_id, owner, sha256, mac, max_bytes)
+        log.debug("snapshot %s downloaded in %.2f s", snapshot_id, time.monotonic() - t0)
+        return path
 
     async def delete(self, snapshot_id: str) -> None:
         self.remove(snapshot_id)
