@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kernelhub.config import load_settings
-from kernelhub.errors import ConfigError
+from kernelhub.errors import ConfigError, StoreError
 from kernelhub.snapshot.blobs import BlobStore, blob_store
 from kernelhub.snapshot.s3 import S3BlobStore
 
@@ -92,3 +92,18 @@ def test_object_keys_are_under_the_prefix_with_or_without_its_slash(
     )
     store = blob_store(settings)
     assert isinstance(store, S3BlobStore) and store.object_key("s1") == key
+
+
+async def test_a_bucket_out_of_reach_is_a_store_error_naming_the_endpoint(tmp_path: Path) -> None:
+    settings = load_settings(
+        data_dir=tmp_path,
+        objects={**BUCKET, "timeout": 2},
+        cluster={"snapshot_key_file": key_file(tmp_path / "k")},
+    )
+    store = blob_store(settings)
+    store.prepare("s1").write_bytes(b"blob")
+    with pytest.raises(StoreError, match=r"127\.0\.0\.1:9.*KERNELHUB_OBJECTS__ENDPOINT_URL"):
+        await store.commit("s1")
+    with pytest.raises(StoreError, match="downloading"):
+        await store.fetch("s2", "alice", "0" * 64, "0" * 64, 1 << 20)
+    assert sorted(p.name for p in store.root.iterdir()) == ["s1.blob"]  # nothing partial
