@@ -88,23 +88,26 @@ def tree_bytes(path: Path) -> int:
     return sum(seen.values())
 
 
-async def hibernated_bytes(s3: S3Server, root: Path) -> dict[str, int]:
+async def hibernated(s3: S3Server, root: Path, *, keep_state: bool) -> dict[str, float]:
+    """Bytes per hibernated session (bucket, node) and the next execute's time (its wake:
+    a cold start without standby, the restore, the cell), under one gateway's settings."""
     bucket = s3.fresh_bucket()
     instance = f"bobj-{uuid.uuid4().hex[:6]}"
     run_dir = Path(f"/tmp/{instance}")
     gw = await Gateway.launch(
-        root / "gw",
+        root / instance,
         instance=instance,
         env={
             "KERNELHUB_RUN_DIR": str(run_dir),
             "KERNELHUB_GATEWAY__HIBERNATE_AFTER": "2",
             "KERNELHUB_GATEWAY__HIBERNATE_STANDBY": "false",
+            "KERNELHUB_GATEWAY__HIBERNATE_KEEP_STATE": str(keep_state).lower(),
             "KERNELHUB_POOL__SIZE": "0",
             "KERNELHUB_CLUSTER__SNAPSHOT_KEY_FILE": str(root / "cluster.key"),
             **s3.env(bucket),
         },
     )
-    sizes: dict[str, int] = {}
+    out: dict[str, float] = {}
     try:
         async with gw.client() as http:
             for name, code in (("small namespace", SMALL), ("100 MiB namespace", BIG)):
@@ -117,15 +120,21 @@ async def hibernated_bytes(s3: S3Server, root: Path) -> dict[str, int]:
                 while (await http.get(f"/v1/sessions/{sid}")).json()["state"] != "hibernated":
                     assert time.monotonic() < deadline, "never hibernated"
                     await asyncio.sleep(0.2)
-                sizes[f"{name}: in the bucket"] = sum(s3.keys(bucket).values())
-                # What it still holds on its node: the kept capture (the fast wake) and
-                # its checkpoints (rewind), in the state directory, a tmpfs: host memory.
-                state = tree_bytes(run_dir / instance / f"{sid}.state")
-                sizes[f"{name}: on its node (state directory)"] = state
+                out[f"{name}: bytes in the bucket"] = sum(s3.keys(bucket).values())
+                # What its node still holds: the kept capture (the fast wake) and the
+                # checkpoints (rewind), in the state directory, a tmpfs: host memory.
+                state = run_dir / instance / f"{sid}.state"
+                out[f"{name}: bytes on its node"] = tree_bytes(state) if state.exists() else 0
+                t0 = time.perf_counter()
+                r = await http.post(
+                    f"/v1/sessions/{sid}/executions", json={"code": "1 + 1", "wait": True}
+                )
+                out[f"{name}: next execute (wakes it), s"] = time.perf_counter() - t0
+                assert r.json()["record"]["status"] == "completed", r.text
                 await http.delete(f"/v1/sessions/{sid}")
     finally:
         await gw.stop()
-    return sizes
+    return out
 
 
 async def main() -> None:
@@ -139,15 +148,20 @@ async def main() -> None:
             root = Path(tmp)
             (root / "cluster.key").write_bytes(os.urandom(32))
             times = await transfer_times(s3, root, args.runs)
-            sizes = await hibernated_bytes(s3, root)
+            kept = await hibernated(s3, root, keep_state=True)
+            dropped = await hibernated(s3, root, keep_state=False)
     finally:
         s3.stop()
     for what, values in times.items():
         median = statistics.median(values)
         print(f"{what} of a 100 MiB blob: {median:.3f} s median of {len(values)} "
               f"({100 / median:.0f} MiB/s; runs {', '.join(f'{v:.3f}' for v in values)})")  # fmt: skip
-    for what, size in sizes.items():
-        print(f"one hibernated session, {what}: {size} bytes ({size / MiB:.2f} MiB)")
+    for label, numbers in (("default (state kept)", kept), ("HIBERNATE_KEEP_STATE=false", dropped)):
+        for what, value in numbers.items():
+            shown = (
+                f"{value:.2f}" if what.endswith(", s") else f"{value:.0f} ({value / MiB:.2f} MiB)"
+            )
+            print(f"one hibernated session, {label}, {what}: {shown}")
 
 
 if __name__ == "__main__":
