@@ -208,6 +208,12 @@ def blob_store(settings: Settings) -> BlobStore:
     required: a per-host one would make every other node refuse this node's blobs."""
     key_file = settings.cluster.snapshot_key_file
     key = cluster_key(key_file) if key_file is not None else None
+    if settings.objects.endpoint_url and not settings.objects.enabled:
+        raise ConfigError(
+            f"KERNELHUB_OBJECTS__ENDPOINT_URL is {settings.objects.endpoint_url!r} but no bucket "
+            "is named: set KERNELHUB_OBJECTS__BUCKET (e.g. kernelhub-snapshots), or unset the "
+            "endpoint to keep snapshots on local disk"
+        )
     if not settings.objects.enabled:
         return BlobStore(settings.data_dir, key=key)
     if key is None:

@@ -107,3 +107,20 @@ async def test_a_bucket_out_of_reach_is_a_store_error_naming_the_endpoint(tmp_pa
     with pytest.raises(StoreError, match="downloading"):
         await store.fetch("s2", "alice", "0" * 64, "0" * 64, 1 << 20)
     assert sorted(p.name for p in store.root.iterdir()) == ["s1.blob"]  # nothing partial
+
+
+def test_an_endpoint_without_a_bucket_is_refused_not_ignored(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path, objects={"endpoint_url": "http://127.0.0.1:9"})
+    with pytest.raises(ConfigError, match="KERNELHUB_OBJECTS__BUCKET"):
+        blob_store(settings)
+
+
+def test_the_object_storage_secret_never_shows_in_the_settings_repr(tmp_path: Path) -> None:
+    secret = "s3cr3t-" + os.urandom(8).hex()
+    settings = load_settings(
+        data_dir=tmp_path,
+        objects={**BUCKET, "access_key_id": "AKIDEXAMPLE", "secret_access_key": secret},
+    )
+    assert secret not in repr(settings) and secret not in str(settings.model_dump())
+    assert settings.objects.secret_access_key is not None
+    assert settings.objects.secret_access_key.get_secret_value() == secret
