@@ -46,7 +46,7 @@ _UPLOAD_THREADS = 4
 
 
 class S3BlobStore(BlobStore):
-    """Blobs in ``s3://<bucket>/<prefix>snapshots/<id>.blob``, with the local file of
+    """Blobs in ``s3://<bucket>/<prefix>/snapshots/<id>.blob``, with the local file of
     :class:`BlobStore` as their staging copy and cache (see the module)."""
 
     def __init__(self, data_dir: Path, objects: ObjectStoreSettings, *, key: bytes) -> None:
@@ -63,10 +63,8 @@ class S3BlobStore(BlobStore):
         )
 
     def object_key(self, snapshot_id: str) -> str:
-        prefix = self.objects.prefix.strip("/")
-        return (
-            f"{prefix}/snapshots/{snapshot_id}.blob" if prefix else f"snapshots/{snapshot_id}.blob"
-        )
+        parts = (self.objects.prefix.strip("/"), "snapshots", f"{snapshot_id}.blob")
+        return "/".join(p for p in parts if p)
 
     def client(self) -> Any:
         """The boto3 client, made on first use (on a worker thread: it reads files)."""
