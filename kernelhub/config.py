@@ -136,6 +136,14 @@ class GatewaySettings(BaseModel):
         "so that it wakes without a cold start (its namespace restored from the capture "
         "kept in its state directory); costs an idle kernel's memory per hibernated session",
     )
+    hibernate_keep_state: bool = Field(
+        True,
+        description="keep a hibernated session's state directory on its node: the capture "
+        "it wakes from fastest and its checkpoints for rewind, in host memory (a tmpfs) about "
+        "the size of its namespace; false: the node keeps nothing for it (for many hibernated "
+        "sessions per node, with object storage): it wakes from its blob, and rewind reaches "
+        "back only to the wake",
+    )
     recover_crashed: bool = Field(
         True,
         description="bring a session whose kernel died (out of memory, a segfault, any "

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kernelhub.config import Settings, load_settings
-from tests import postgres
+from tests import objects, postgres
 
 # Every wait in the suite is a multiple of this; slow CI machines set KERNELHUB_TEST_UNIT=2.
 UNIT = float(os.environ.get("KERNELHUB_TEST_UNIT", "1"))
@@ -67,6 +67,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     PostgreSQL tests and a PostgreSQL server."""
     if item.get_closest_marker("postgres") is not None:
         _require(postgres.problem())
+    if item.get_closest_marker("s3") is not None:
+        _require(objects.problem())
     if item.get_closest_marker("docker") is None:
         return
     if not _docker_checked:
@@ -91,6 +93,17 @@ def postgres_cluster() -> Iterator[postgres.PostgresCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[objects.S3Server]:
+    """The run's one S3-compatible server (tests that use it carry the ``s3`` marker)."""
+    server = objects.S3Server()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

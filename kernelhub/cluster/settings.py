@@ -21,8 +21,20 @@ class ObjectStoreSettings(BaseModel):
     bucket: str | None = Field(None, description="the bucket snapshot blobs go to")
     prefix: str = Field("kernelhub/", description="key prefix inside the bucket")
     region: str = Field("us-east-1")
-    access_key_id: SecretStr | None = None
+    access_key_id: SecretStr | None = Field(
+        None, description="unset: boto3's own chain (AWS_* variables, an instance role)"
+    )
     secret_access_key: SecretStr | None = None
+    part_bytes: int = Field(
+        16 * 2**20,
+        ge=5 * 2**20,
+        le=5 * 2**30,
+        description="a blob larger than this goes up as a multipart upload in parts of this "
+        "size (S3 allows 5 MiB to 5 GiB, at most 10,000 parts)",
+    )
+    timeout: float = Field(
+        60.0, gt=0, description="seconds one request to the object storage may take"
+    )
 
     @property
     def enabled(self) -> bool:

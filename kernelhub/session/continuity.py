@@ -113,12 +113,8 @@ class Continuity:
         live.checkpoints.append((count, name))
         live.since_checkpoint = []
         live.last_checkpoint_at = now
-        log.debug(
-            "checkpoint after cell %s of session %s: %.1f ms",
-            count,
-            live.id,
-            (time.monotonic() - now) * 1000,
-        )
+        ms = (time.monotonic() - now) * 1000
+        log.debug("checkpoint after cell %s of session %s: %.1f ms", count, live.id, ms)
         while len(live.checkpoints) > self._MAX_CHECKPOINTS:
             _, old = live.checkpoints.pop(0)
             await kernel.call(calls.remove(old), {}, timeout=60)
@@ -331,12 +327,12 @@ class Continuity:
                 return
             # Listed as hibernated only once the sandbox is really gone; a request that
             # arrives meanwhile waits (the state machine: ready, with no kernel yet), then
-            # finds it hibernated and wakes it, after this lock. The state directory stays:
-            # the wake restores from the capture kept there (the blob is for when it is
-            # gone: a gateway restart reaps it), and rewind from its checkpoints.
+            # finds it hibernated and wakes it, after this lock. The state directory stays
+            # unless told otherwise: the wake restores from the capture kept there (the blob
+            # is for when it is gone), and rewind from its checkpoints.
             live.kernel, live.hibernating = None, True
             try:
-                await kernel.close(keep_state=True)
+                await kernel.close(keep_state=gateway.hibernate_keep_state)
             finally:
                 live.hibernating = False
                 live.hibernation = info.id
@@ -357,7 +353,7 @@ class Continuity:
 
     async def drop_snapshot(self, snapshot_id: str) -> None:
         await self.snapshots_store.delete_snapshot(snapshot_id)
-        self.blobs.remove(snapshot_id)
+        await self.blobs.delete(snapshot_id)  # in the bucket too, with object storage
 
     async def wake(self, live: LiveSession, first_seq: int) -> None:
         """Bring a hibernated session back (its caller holds ``live.wake_lock``): a new
@@ -452,6 +448,8 @@ class Continuity:
                 kernel.call(calls.capture_stream(name), calls.RESULT, timeout=timeout),
             )
             result = calls.result(answers)
+            # In the bucket before its row; a hibernation wakes from the kept capture.
+            await self.blobs.commit(snapshot_id, cache=kind == "snapshot")
         except BaseException:
             self.blobs.remove(snapshot_id)
             if keep_as is not None:
@@ -518,10 +516,11 @@ class Continuity:
         """Only the owner restores; the blob's MAC is checked before any sandbox sees it,
         and it is only ever loaded inside this brand-new sandbox."""
         snap = await self.get_snapshot(principal, snapshot_id)
-        source = self.blobs.existing(snap.id)
+        t0, timeout = time.monotonic(), self.settings.gateway.snapshot_timeout
+        # Downloaded first (and checked) if another node made it.
+        limit = self.settings.gateway.max_snapshot_bytes
+        source = await self.blobs.fetch(snap.id, snap.owner, snap.sha256, snap.mac, limit)
         name = f"restore-{uuid.uuid4().hex[:12]}"
-        t0 = time.monotonic()
-        timeout = self.settings.gateway.snapshot_timeout
         # Hashed once, as it streams; the kernel loads nothing unless the MAC matched.
         accept = transfer.mac_check(
             snap.sha256, lambda sha: self.blobs.mac(snap.id, snap.owner, sha), snap.mac

@@ -47,7 +47,7 @@ from kernelhub.session.recorder import Observer, Recorder
 from kernelhub.session.recovery import SessionRecovery, final_out
 from kernelhub.session.salvage import CellSalvage, open_spool
 from kernelhub.session.state import SessionState, Transition, closed_error
-from kernelhub.snapshot.blobs import BlobStore
+from kernelhub.snapshot.blobs import blob_store
 from kernelhub.store.base import Store
 from kernelhub.store.quota import StorageGuard
 from kernelhub.store.records import AuditEntry, Principal, StoredExecution, StoredSession
@@ -96,7 +96,7 @@ class SessionManager:
             store, self.observer, coalesce_window=settings.gateway.coalesce_window
         )
         self.sessions: dict[str, LiveSession] = {}
-        self.blobs = BlobStore(settings.data_dir)
+        self.blobs = blob_store(settings)  # ConfigError: no cluster key for the bucket
         self.storage = StorageGuard(
             settings.storage, store.ledger, settings.data_dir,
             in_flight=partial(in_flight_bytes, self.sessions),

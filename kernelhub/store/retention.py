@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 # bytes to MiBs, and a step should hold the store thread for about STEP_TIME seconds.
 STEP_TIME = 0.02
 VACUUM_PAGES = 1024  # pages returned per step (4 MiB at the default 4 KiB page size)
+# Local blob files with no row left (a snapshot another node deleted) go this long after
+# they were last written, checked this often: a row lookup per file, so not every sweep.
+PRUNE_AFTER = 3600.0
 
 
 class RetentionSweeper:
@@ -54,6 +57,7 @@ class RetentionSweeper:
         self.blobs = blobs
         self.settings = settings
         self.on_purged = on_purged
+        self._pruned_at: float | None = None
         self._lock = asyncio.Lock()  # one purge or sweep at a time: they share the vacuum
 
     async def purge(self, session_id: str) -> None:
@@ -75,7 +79,7 @@ class RetentionSweeper:
                 elif took < STEP_TIME / 2:
                     rows = min(4096, rows * 2)
         for snapshot_id in await self.store.drop_session(session_id):
-            self.blobs.remove(snapshot_id)
+            await self.blobs.delete(snapshot_id)
         if self.on_purged is not None:
             await self.on_purged(session_id)
         log.info("purged session %s from the store", session_id)
@@ -105,7 +109,19 @@ class RetentionSweeper:
                     trimmed += n
             if ended or trimmed:
                 await self._vacuum()
+            await self._prune_blobs()
         return len(ended)
+
+    async def _prune_blobs(self) -> None:
+        if self._pruned_at is not None and time.monotonic() - self._pruned_at < PRUNE_AFTER:
+            return
+        self._pruned_at = time.monotonic()
+
+        async def has_row(snapshot_id: str) -> bool:
+            return await self.store.get_snapshot(snapshot_id) is not None
+
+        if pruned := await self.blobs.prune(has_row, PRUNE_AFTER):
+            log.info("removed %d local snapshot files whose snapshots are gone", pruned)
 
     async def run(self) -> None:
         """Sweep every ``sweep_interval`` seconds until cancelled; a failed sweep is logged

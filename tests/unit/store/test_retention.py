@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,8 +15,8 @@ import pytest
 
 from kernelhub.config import StorageSettings
 from kernelhub.snapshot.blobs import BlobStore
-from kernelhub.store.records import AuditEntry
-from kernelhub.store.retention import RetentionSweeper
+from kernelhub.store.records import AuditEntry, StoredSnapshot
+from kernelhub.store.retention import PRUNE_AFTER, RetentionSweeper
 from kernelhub.store.sqlite import SqliteStore
 from tests.conftest import eventually
 from tests.unit.store.test_storage import session
@@ -70,3 +72,34 @@ async def test_a_failed_sweep_is_logged_and_tried_again(
     # Only its cancellation ends the loop: no failure did.
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_local_blob_files_whose_snapshots_are_gone_are_pruned(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    """A snapshot deleted by another node (its row and object gone) leaves this node's
+    copy behind; the sweep removes it once it is old enough that no capture or upload can
+    still be writing it. A file with a row stays, whatever its age."""
+    await store.insert_session(session("s1", "alice"))
+    await store.insert_snapshot(
+        StoredSnapshot(
+            id="kept", session_id="s1", owner="alice", created_at=datetime.now(UTC),
+            size=1, sha256="0", mac="0", metadata={"kind": "snapshot"},
+        )
+    )  # fmt: skip
+    blobs = BlobStore(tmp_path)
+    blobs.prepare("x")  # makes the directory
+    old = time.time() - PRUNE_AFTER - 60
+    for name, mtime in (("kept.blob", old), ("gone.blob", old), ("fresh.blob", None),
+                        (".gone.1234.part", old)):  # fmt: skip
+        (blobs.root / name).write_bytes(b"x")
+        if mtime is not None:
+            os.utime(blobs.root / name, (mtime, mtime))
+    sweeper = RetentionSweeper(store, blobs, StorageSettings())
+    await sweeper.sweep()
+    assert sorted(p.name for p in blobs.root.iterdir()) == ["fresh.blob", "kept.blob"]
+    # Not every sweep: the next one within the hour looks at no file.
+    (blobs.root / "gone.blob").write_bytes(b"x")
+    os.utime(blobs.root / "gone.blob", (old, old))
+    await sweeper.sweep()
+    assert (blobs.root / "gone.blob").exists()
