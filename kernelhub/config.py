@@ -283,6 +283,19 @@ class BatchSettings(BaseModel):
         1000, ge=1, description="items waiting to run, all batches; beyond it: 429"
     )
     max_items: int = Field(500, ge=1, description="items in one batch")
+    poll_interval: float = Field(
+        1.0,
+        gt=0,
+        description="seconds between looks at the shared queue for items submitted through "
+        "other nodes (a submission or a freed slot here looks at once)",
+    )
+    lease_ttl: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a node's claim on a running batch item lasts unrenewed (renewed "
+        "every third of it): after it a lost node's item runs elsewhere, or ends if its code "
+        "had started",
+    )
 
 
 class StorageSettings(BaseModel):

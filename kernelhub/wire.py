@@ -293,6 +293,9 @@ class BatchItemInfo(BaseModel):
         "not run, and shows that item's progress and result",
     )
     session_id: str | None = Field(None, description="the fresh session it ran in (deleted after)")
+    node: str | None = Field(
+        None, description="the node that claimed it (KERNELHUB_STORE__NODE): runs or ran it"
+    )
     execution_id: str | None = None
     queued_at: datetime
     started_at: datetime | None = None

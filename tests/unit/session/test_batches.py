@@ -244,6 +244,7 @@ class FakeManager:
 def batch_settings(tmp_path: Path, **batch: int) -> Settings:
     return load_settings(
         data_dir=tmp_path / "data",
+        store={"node": "n1"},
         batch={"concurrency": 3, **batch},
         engine={"interrupt_grace": 0.05},
     )
@@ -274,6 +275,7 @@ async def test_runs_bounded_fresh_and_cleaned_up(tmp_path: Path, store: SqliteSt
     fake = FakeManager()
     fake.refusals = 2  # the first creates meet a full gateway: the item waits, then runs
     runner = BatchRunner(batch_settings(tmp_path), fake, store)  # type: ignore[arg-type]
+    await runner.start()
     data = base64.b64encode(b"x,y").decode()
     try:
         big = await runner.submit(ALICE, items(*["ok"] * 8, "raise", files={"in.csv": data}))
@@ -296,6 +298,7 @@ async def test_a_principals_long_batch_leaves_room_for_anothers(
 ) -> None:
     fake = FakeManager()
     runner = BatchRunner(batch_settings(tmp_path, concurrency=4), fake, store)  # type: ignore[arg-type]
+    await runner.start()
     bob = Principal(name="bob")
     try:
         long = await runner.submit(ALICE, items(*["hang"] * 6))
@@ -316,6 +319,7 @@ async def test_capacity_keys_and_access(tmp_path: Path, store: SqliteStore) -> N
     fake = FakeManager()
     settings = batch_settings(tmp_path, max_queued_items=5, max_items=5, principal_concurrency=3)
     runner = BatchRunner(settings, fake, store)  # type: ignore[arg-type]
+    await runner.start()
     try:
         with pytest.raises(InvalidRequestError, match="MAX_ITEMS"):
             await runner.submit(ALICE, items(*["ok"] * 6))
@@ -349,6 +353,7 @@ async def test_cancel_interrupts_and_stops_the_stubborn(tmp_path: Path, store: S
     fake = FakeManager()
     settings = batch_settings(tmp_path, principal_concurrency=3)
     runner = BatchRunner(settings, fake, store)  # type: ignore[arg-type]
+    await runner.start()
     try:
         batch = await runner.submit(
             ALICE, items("hang", "stubborn", "hang", "ok", "ok", idempotency_key=None)
@@ -371,29 +376,35 @@ async def test_close_and_restart_leave_nothing_unrecorded(
     fake = FakeManager()
     settings = batch_settings(tmp_path, concurrency=1)
     runner = BatchRunner(settings, fake, store)  # type: ignore[arg-type]
+    await runner.start()
     keyed = BatchCreate(
-        items=[BatchItemIn(code="hang", idempotency_key=k) for k in ("run", "wait")]
+        items=[BatchItemIn(code=c, idempotency_key=k) for c, k in (("hang", "run"), ("ok", "wait"))]
     )
     batch = await runner.submit(ALICE, keyed)
     await eventually(lambda: len(fake.handles) == 1, 5)
     await runner.close()
+    # The item whose code ran fails; the waiting one waits on, for any node.
     info = await runner.info(ALICE, batch.id)
-    assert info.counts == {"failed": 2} and fake.sessions == {}
-    assert info.items is not None and "shut down" in (info.items[1].error or "")
-    assert await store.used_batch_keys("alice", ["run", "wait"]) == {"run"}
+    assert info.counts == {"failed": 1, "queued": 1} and fake.sessions == {}
+    assert info.items is not None and "shut down while" in (info.items[0].error or "")
+    assert await store.used_batch_keys("alice", ["run", "wait"]) == {"run", "wait"}
 
-    # A process killed mid-item: its rows still say running/queued, its session lives on.
+    # A process killed mid-item: its claims stand, one item's code had gone to a kernel
+    # (its session lives on), the other's had not.
     now = datetime.now(UTC)
     await store.insert_batch(
-        StoredBatch(id="gone", owner="alice", created_at=now, concurrency=1),
+        StoredBatch(id="gone", owner="alice", created_at=now, concurrency=2),
         [
             StoredBatchItem(
-                batch_id="gone", index=n, owner="alice", idempotency_key=f"g{n}", queued_at=now
+                batch_id="gone", index=n, owner="alice", idempotency_key=f"g{n}", queued_at=now,
+                body=BatchItemIn(code="ok").model_dump_json(),
             )
             for n in range(2)
         ],
-    )
-    await store.update_batch_item("gone", 0, status=R, execution_id="e0")
+    )  # fmt: skip
+    claim = await store.claim_batch_items(runner.node, 3, 60.0)
+    assert [(i.batch_id, i.index) for i in claim.items] == [(batch.id, 1), ("gone", 0), ("gone", 1)]
+    await store.update_batch_item("gone", 0, execution_id="e0", submitted_at=now)
     fake.sessions["left"] = {
         "owner": "alice",
         "files": {},
@@ -402,7 +413,15 @@ async def test_close_and_restart_leave_nothing_unrecorded(
     fake.sessions["mine"] = {"owner": "alice", "files": {}, "metadata": {}}
     restarted = BatchRunner(settings, fake, store)  # type: ignore[arg-type]
     await restarted.start()
-    gone = await restarted.info(ALICE, "gone")
-    assert gone.counts == {"failed": 2} and list(fake.sessions) == ["mine"]
-    assert await store.used_batch_keys("alice", ["g0", "g1"]) == {"g0"}  # g1 never ran
-    await restarted.close()
+    try:
+        gone = await finished(restarted, "gone")
+        first = await finished(restarted, batch.id)
+    finally:
+        await restarted.close()
+    assert gone.items is not None and [i.status for i in gone.items] == [
+        ExecutionStatus.FAILED, C,
+    ]  # fmt: skip
+    assert "while its code ran" in (gone.items[0].error or "")
+    assert first.counts == {"failed": 1, "completed": 1}
+    assert list(fake.sessions) == ["mine"]
+    assert await store.used_batch_keys("alice", ["g0", "g1"]) == {"g0", "g1"}
