@@ -261,8 +261,8 @@ class BatchCreate(_In):
     concurrency: int | None = Field(
         None,
         ge=1,
-        description="items of this batch running at once; at most (and by default) the "
-        "gateway's KERNELHUB_BATCH__CONCURRENCY, which bounds all batches together",
+        description="items of this batch running at once on each node; at most (and by "
+        "default) the node's KERNELHUB_BATCH__CONCURRENCY, which bounds all batches together",
     )
 
 
@@ -328,7 +328,7 @@ class BatchInfo(BaseModel):
     owner: str
     state: BatchState
     created_at: datetime
-    concurrency: int = Field(description="items of this batch that may run at once")
+    concurrency: int = Field(description="items of this batch that may run at once on each node")
     counts: dict[str, int] = Field(description="items by status")
     items: list[BatchItemInfo] | None = Field(None, description="omitted in listings")
 

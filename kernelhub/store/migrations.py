@@ -254,6 +254,11 @@ def _batch_queue() -> Op[None]:
         "ALTER TABLE batch_items ADD COLUMN lease_expires_at TEXT",
         "ALTER TABLE batch_items ADD COLUMN submitted_at TEXT",
         "CREATE INDEX IF NOT EXISTS batch_items_node ON batch_items(node, status)",
+        # The queue itself: batch_queue.py's runnable items, in the order claims take
+        # them. Partial, so PostgreSQL walks it in (batch, index) order (with the
+        # IS NULL term inside the key it sorted every waiting item of a batch per claim).
+        "CREATE INDEX IF NOT EXISTS batch_items_waiting ON batch_items(batch_id, idx)"
+        " WHERE status = 'queued' AND dup_batch_id IS NULL",
     ):
         yield Query(sql, ddl=True)
     # The items an older gateway left unfinished have no stored input: they end, as that

@@ -14,6 +14,7 @@ from kernelhub.store.records import StoredBatch, StoredBatchItem
 from kernelhub.store.sql import SqlStore
 from kernelhub.wire import BatchItemIn
 from tests.conftest import UNIT
+from tests.postgres import PostgresCluster
 from tests.store.conftest import Opener
 from tests.store.rows import NOW, execution, record, session
 
@@ -68,14 +69,15 @@ async def test_a_principal_with_a_thousand_items_does_not_starve_one_with_two(
     assert all(i.started_at == NOW for i in items)
 
 
-async def test_caps_a_batch_across_nodes_and_a_principal_per_node(store: SqlStore) -> None:
-    await add_batch(store, "b", "alice", 5, concurrency=2)
+async def test_caps_a_batch_and_a_principal_per_node(store: SqlStore) -> None:
+    await add_batch(store, "b", "alice", 6, concurrency=2)
     await add_batch(store, "c", "alice", 5)
     assert await claim(store, "n1", 3, cap=2) == [("b", 0), ("b", 1)]  # the principal's cap
-    assert await claim(store, "n2", 3) == [("c", 0), ("c", 1), ("c", 2)]  # b is at its 2
+    assert await claim(store, "n1", 3, cap=3) == [("c", 0)]  # b has its 2 on n1
+    assert await claim(store, "n2", 3) == [("b", 2), ("b", 3), ("c", 1)]  # and 2 on n2
     await store.update_batch_item("b", 0, status=ExecutionStatus.COMPLETED, finished_at=NOW)
-    assert await claim(store, "n2", 1) == [("b", 2)]
-    assert await claim(store, "n1", 5, cap=2) == [("c", 3)]  # n1 still runs b 1
+    assert await claim(store, "n1", 1) == [("b", 4)]
+    assert await claim(store, "n1", 5, cap=3) == []  # n1 runs b 1, b 4 and c 0
 
 
 async def test_claimers_take_disjoint_items_and_all_of_them(opener: Opener) -> None:
@@ -101,22 +103,24 @@ async def test_claimers_take_disjoint_items_and_all_of_them(opener: Opener) -> N
 
 
 @pytest.mark.postgres
-async def test_a_batch_being_claimed_elsewhere_is_skipped_not_waited_for(
-    postgres_cluster: object,
+async def test_items_being_claimed_elsewhere_are_skipped_not_waited_for(
+    postgres_cluster: PostgresCluster,
 ) -> None:
     import psycopg
 
-    url = postgres_cluster.fresh_url()  # type: ignore[attr-defined]
+    url = postgres_cluster.fresh_url()
     store = await PostgresStore.open(url, node="n1")
     try:
         await add_batch(store, "held", "alice", 3)
         await add_batch(store, "free", "bob", 2, at=NOW + timedelta(seconds=1))
         async with await psycopg.AsyncConnection.connect(url) as other:
-            async with other.transaction():  # another node, mid-claim on "held"
-                await other.execute("SELECT id FROM batches WHERE id = 'held' FOR UPDATE")
+            async with other.transaction():  # another node, mid-claim on all of "held"
+                await other.execute(
+                    "SELECT idx FROM batch_items WHERE batch_id = 'held' FOR UPDATE"
+                )
                 got = await asyncio.wait_for(claim(store, "n1", 4), 5 * UNIT)
                 assert got == [("free", 0), ("free", 1)]
-            async with other.transaction():  # one of its items, locked by another claimer
+            async with other.transaction():  # and on one item of it
                 await other.execute(
                     "SELECT idx FROM batch_items WHERE batch_id = 'held' AND idx = 0 FOR UPDATE"
                 )
