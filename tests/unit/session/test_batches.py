@@ -16,7 +16,13 @@ import pydantic
 import pytest
 
 from kernelhub.config import Settings, StorageSettings, load_settings
-from kernelhub.errors import InvalidRequestError, NotFoundError, QuotaError, SessionError
+from kernelhub.errors import (
+    ConfigError,
+    InvalidRequestError,
+    NotFoundError,
+    QuotaError,
+    SessionError,
+)
 from kernelhub.models import EndedBy, Execution, ExecutionRecord, ExecutionStatus
 from kernelhub.session.batch_item import BATCH_ID_KEY, BATCH_INDEX_KEY
 from kernelhub.session.batches import (
@@ -425,3 +431,49 @@ async def test_close_and_restart_leave_nothing_unrecorded(
     assert first.counts == {"failed": 1, "completed": 1}
     assert list(fake.sessions) == ["mine"]
     assert await store.used_batch_keys("alice", ["g0", "g1"]) == {"g0", "g1"}
+
+
+def test_a_lease_that_would_lapse_between_renewals_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="KERNELHUB_BATCH__LEASE_TTL"):
+        load_settings(data_dir=tmp_path, batch={"poll_interval": 20.0})
+
+
+def node_settings(tmp_path: Path, node: str) -> Settings:
+    return load_settings(
+        data_dir=tmp_path / node,
+        store={"node": node},
+        batch={"concurrency": 2, "principal_concurrency": 2, "poll_interval": 0.05,
+               "lease_ttl": 0.5},
+        engine={"interrupt_grace": 0.05},
+    )  # fmt: skip
+
+
+async def test_nodes_share_one_queue_and_a_lost_nodes_items_run_once(
+    tmp_path: Path, store: SqliteStore
+) -> None:
+    fakes = [FakeManager(), FakeManager()]
+    a, b = (
+        BatchRunner(node_settings(tmp_path, n), f, store)  # type: ignore[arg-type]
+        for n, f in zip(("n1", "n2"), fakes, strict=True)
+    )
+    batch = await a.submit(ALICE, items(*["ok"] * 7))
+    # Two nodes that claimed items and vanished: one before their code reached a kernel,
+    # the other after (a batch's concurrency counts per node: 2 here).
+    lost = await store.claim_batch_items("gone", 2, 0.5)
+    assert [i.index for i in lost.items] == [0, 1]
+    lost = await store.claim_batch_items("gone-too", 1, 0.5)
+    assert [i.index for i in lost.items] == [2]
+    await store.update_batch_item(batch.id, 2, submitted_at=datetime.now(UTC))
+    await a.start()
+    await b.start()
+    try:
+        done = await finished(b, batch.id)  # read through the node it was not sent to
+    finally:
+        await a.close()
+        await b.close()
+    assert done.items is not None
+    assert [i.status for i in done.items] == [C, C, ExecutionStatus.FAILED, C, C, C, C]
+    assert "(gone-too)" in (done.items[2].error or "")
+    assert {i.node for i in done.items[3:]} == {"n1", "n2"}  # both worked the batch
+    assert {i.node for i in done.items[:2]} <= {"n1", "n2"}  # the lost claims ran here
+    assert sum(f.created for f in fakes) == 6  # each item once; the one that ran, never again
