@@ -1,5 +1,5 @@
 """Batch runs: many independent items, each in a fresh session of its own, with bounded
-concurrency over all batches.
+concurrency over all batches, worked by every node that shares the store.
 
 Each item runs in a fresh session of its own, deleted whatever happened
 (:mod:`kernelhub.session.batch_item`); this module schedules the items, records their
@@ -18,7 +18,7 @@ Each node's runner claims items whenever it has a free slot (``KERNELHUB_BATCH__
 CONCURRENCY`` here, at most ``PRINCIPAL_CONCURRENCY`` of one principal's), at once when a
 batch is submitted or an item ends here and every ``POLL_INTERVAL`` otherwise (for work
 submitted elsewhere). The claim is fair between principals (fewest running first, across
-the cluster) and a batch's own ``concurrency`` holds across the cluster. Each started item
+the cluster); a batch's own ``concurrency``, like the slots, counts per node. Each started item
 is a task owned here (cancelled and awaited by :meth:`close`), and so is each session
 deletion, so a second cancellation cannot leave a session behind.
 

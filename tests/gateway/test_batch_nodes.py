@@ -5,9 +5,7 @@ both, each item exactly once, and a cancel through either reaches the items on b
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ import pytest
 
 from tests.conftest import UNIT
 from tests.gateway.conftest import Gateway, gateway_run_dir, remove_sandboxes
+from tests.gateway.test_batches import SLEEP, auth, poll
 from tests.postgres import PostgresCluster
 
 pytestmark = [pytest.mark.docker, pytest.mark.postgres]
@@ -24,11 +23,6 @@ pytestmark = [pytest.mark.docker, pytest.mark.postgres]
 NODES = ("node-a", "node-b")
 # Slow enough that both nodes have claimed items before the first ones end.
 CELL = "import time\ntime.sleep(1)\nprint('item {n}:', {n} * {n})"
-SLEEP = "import time\nfor _ in range(600): time.sleep(1)"
-
-
-def auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture
@@ -55,18 +49,6 @@ def cluster(postgres_cluster: PostgresCluster, tmp_path: Path) -> Iterator[dict[
         remove_sandboxes()
 
 
-async def poll(http: httpx.AsyncClient, token: str, batch_id: str, done: Any) -> dict[str, Any]:
-    deadline = time.monotonic() + 180 * UNIT
-    while True:
-        r = await http.get(f"/v1/batches/{batch_id}", headers=auth(token))
-        assert r.status_code == 200, r.text
-        body: dict[str, Any] = r.json()
-        if done(body):
-            return body
-        assert time.monotonic() < deadline, body
-        await asyncio.sleep(0.1)
-
-
 def printed(item: dict[str, Any]) -> str:
     events = item["result"]["events"]
     return "".join(e["text"] for e in events if e["type"] == "stream")
@@ -89,7 +71,8 @@ async def test_a_batch_submitted_to_one_node_runs_on_both_each_item_once(
         assert r.status_code == 202, r.text
         batch_id = r.json()["id"]
         # Read through the other node: the batch is the store's, not node a's.
-        done = await poll(on_b, token, batch_id, lambda x: x["state"] == "finished")
+        await poll(on_b, token, batch_id, lambda x: x["state"] == "finished")
+        done = (await on_b.get(f"/v1/batches/{batch_id}", headers=auth(token))).json()
         assert done["counts"] == {"completed": n_items}, done
         nodes = [i["node"] for i in done["items"]]
         assert set(nodes) == set(NODES), nodes  # both ran some
