@@ -1,7 +1,9 @@
 """Batches spread over nodes (issue #24 item 7): two gateway processes, each its own node
 (``KERNELHUB_STORE__NODE``) with its own data directory, sharing the run's private
 PostgreSQL server; real Docker sandboxes. A batch submitted through one node is run by
-both, each item exactly once, and a cancel through either reaches the items on both."""
+both, each item exactly once; a cancel through either reaches the items on both; and when
+one node is killed (-9) its running items end (never run twice) while the waiting ones
+run on the other."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def cluster(postgres_cluster: PostgresCluster, tmp_path: Path) -> Iterator[dict[
             tmp_path / node / "data", gateway_run_dir(),
             KERNELHUB_STORE__URL=url, KERNELHUB_STORE__NODE=node,
             KERNELHUB_BATCH__CONCURRENCY="2", KERNELHUB_BATCH__PRINCIPAL_CONCURRENCY="2",
-            KERNELHUB_BATCH__POLL_INTERVAL="0.2",
+            KERNELHUB_BATCH__POLL_INTERVAL="0.2", KERNELHUB_BATCH__LEASE_TTL="6",
         )
         for node in NODES
     ]  # fmt: skip
@@ -111,3 +113,23 @@ async def test_a_batch_submitted_to_one_node_runs_on_both_each_item_once(
         for http in (on_a, on_b):  # every item's session is gone, on both nodes
             r = await http.get("/v1/sessions", headers=auth(token))
             assert r.json() == {"sessions": []}
+
+        # Node a is killed (-9) while two items run there: once its leases run out they
+        # end failed, naming it, and never run again; the waiting items run on b.
+        code = ["import time\ntime.sleep(10)\nprint('slow')"] * 4 + ["print('quick')"] * 2
+        r = await on_a.post(
+            "/v1/batches", json={"items": [{"code": c} for c in code]}, headers=auth(token)
+        )
+        late = r.json()["id"]
+        await poll(
+            on_b, token, late, lambda x: sum(1 for i in x["items"] if i["execution_id"]) == 4
+        )
+        a.kill9()
+        await poll(on_b, token, late, lambda x: x["state"] == "finished")
+        ended = (await on_b.get(f"/v1/batches/{late}", headers=auth(token))).json()
+        lost = [i for i in ended["items"] if i["node"] == "node-a"]
+        assert len(lost) == 2 and all(i["status"] == "failed" for i in lost), ended
+        assert all("(node-a) stopped or lost touch while its code ran" in i["error"] for i in lost)
+        ran = [i for i in ended["items"] if i["node"] == "node-b"]
+        assert [(i["index"], i["status"]) for i in ran][-2:] == [(4, "completed"), (5, "completed")]
+        assert [printed(i) for i in ran] == ["slow\n", "slow\n", "quick\n", "quick\n"]
