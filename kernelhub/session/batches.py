@@ -350,6 +350,8 @@ class BatchRunner:
                 await self._pass()
             except KernelhubError as exc:  # the store is unreachable: try again later
                 log.warning("batch queue: %s", exc)
+            except Exception:  # a bug must not stop this node's batches for good
+                log.exception("batch queue: a pass failed unexpectedly")
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(cfg.poll_interval):
                     await self._wake.wait()
