@@ -31,7 +31,7 @@ transaction at a time, which is all the locking one machine needs.
 
 Why no broker (issue #24 asks for one only if a measurement says so; bench/batch_claims.py,
 2 shared cores at load 7-9): 2 worker processes claiming from the test suite's private
-PostgreSQL sustained 123 claims/s (one item each; p50 13 ms) and 210 items/s taking 4 a
+PostgreSQL sustained 123-182 claims/s (one item each; p50 8-13 ms) and 210 items/s taking 4 a
 claim, while a node runs real batch items at about 1 a second (24 ``1+1`` items, 4 at a
 time: 0.92 items/s; each is a fresh sandbox). The queue has two orders of magnitude of
 room before it is the bottleneck, and a broker would add a second source of truth.
