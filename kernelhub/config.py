@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Literal
 
 import platformdirs
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kernelhub import KERNEL_PROTOCOL_VERSION
@@ -291,6 +299,31 @@ class BatchSettings(BaseModel):
         1000, ge=1, description="items waiting to run, all batches; beyond it: 429"
     )
     max_items: int = Field(500, ge=1, description="items in one batch")
+    poll_interval: float = Field(
+        1.0,
+        gt=0,
+        description="seconds between looks at the shared queue for items submitted through "
+        "other nodes (a submission or a freed slot here looks at once)",
+    )
+    lease_ttl: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a node's claim on a running batch item lasts unrenewed (renewed "
+        "every third of it): after it a lost node's item runs elsewhere, or ends if its code "
+        "had started",
+    )
+
+    @model_validator(mode="after")
+    def _renewed_in_time(self) -> BatchSettings:
+        # Claims are renewed once per pass: a lease shorter than a few passes would lapse
+        # under an item that is still running.
+        if self.lease_ttl < 3 * self.poll_interval:
+            raise ValueError(
+                f"KERNELHUB_BATCH__LEASE_TTL ({self.lease_ttl:g} s) must be at least three "
+                f"times KERNELHUB_BATCH__POLL_INTERVAL ({self.poll_interval:g} s), e.g. "
+                f"KERNELHUB_BATCH__LEASE_TTL={max(30.0, 3 * self.poll_interval):g}"
+            )
+        return self
 
 
 class StorageSettings(BaseModel):

@@ -261,8 +261,8 @@ class BatchCreate(_In):
     concurrency: int | None = Field(
         None,
         ge=1,
-        description="items of this batch running at once; at most (and by default) the "
-        "gateway's KERNELHUB_BATCH__CONCURRENCY, which bounds all batches together",
+        description="items of this batch running at once on each node; at most (and by "
+        "default) the node's KERNELHUB_BATCH__CONCURRENCY, which bounds all batches together",
     )
 
 
@@ -293,6 +293,9 @@ class BatchItemInfo(BaseModel):
         "not run, and shows that item's progress and result",
     )
     session_id: str | None = Field(None, description="the fresh session it ran in (deleted after)")
+    node: str | None = Field(
+        None, description="the node that claimed it (KERNELHUB_STORE__NODE): runs or ran it"
+    )
     execution_id: str | None = None
     queued_at: datetime
     started_at: datetime | None = None
@@ -325,7 +328,7 @@ class BatchInfo(BaseModel):
     owner: str
     state: BatchState
     created_at: datetime
-    concurrency: int = Field(description="items of this batch that may run at once")
+    concurrency: int = Field(description="items of this batch that may run at once on each node")
     counts: dict[str, int] = Field(description="items by status")
     items: list[BatchItemInfo] | None = Field(None, description="omitted in listings")
 

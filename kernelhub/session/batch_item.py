@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from kernelhub.errors import KernelhubError, QuotaError
@@ -70,18 +70,14 @@ class ItemSessions:
         self.grace = grace
         self._cleanups: set[asyncio.Task[None]] = set()
 
-    async def run(
-        self, batch_id: str, owner: Principal, item: Item, outcome: Outcome, started: datetime
-    ) -> None:
-        """Run ``item`` and fill in ``outcome`` as it goes; raises only ``CancelledError``
-        (the gateway shutting down), with ``outcome`` saying so."""
+    async def run(self, batch_id: str, owner: Principal, item: Item, outcome: Outcome) -> None:
+        """Run ``item`` (claimed: its row says running) and fill in ``outcome`` as it goes;
+        raises only ``CancelledError`` (the gateway shutting down), with ``outcome`` saying
+        so."""
         session_id: str | None = None
         body = item.body
         assert body is not None
         try:
-            await self.store.update_batch_item(
-                batch_id, item.index, status=ExecutionStatus.RUNNING, started_at=started
-            )
             async with asyncio.timeout(None) as scope:
                 item.scope = scope
                 if item.stop_requested:  # cancelled between getting its slot and now
@@ -93,6 +89,11 @@ class ItemSessions:
                     await self.manager.upload(owner, session_id, path, _once(data))
                 # Without wait: the handle keeps only the final event; outputs are in the store.
                 request = ExecutionCreate(code=body.code, timeout=body.timeout)
+                # Recorded first: should this node be lost from here on, the item is
+                # never claimed again (its code may have run).
+                await self.store.update_batch_item(
+                    batch_id, item.index, submitted_at=datetime.now(UTC)
+                )
                 item.submitting = True
                 row, handle, _ = await self.manager.submit(owner, session_id, request)
                 item.execution_id = row.id

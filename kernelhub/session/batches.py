@@ -1,5 +1,5 @@
 """Batch runs: many independent items, each in a fresh session of its own, with bounded
-concurrency over all batches.
+concurrency over all batches, worked by every node that shares the store.
 
 Each item runs in a fresh session of its own, deleted whatever happened
 (:mod:`kernelhub.session.batch_item`); this module schedules the items, records their
@@ -12,16 +12,26 @@ after the manager's ``start`` (it settles what a previous process left unfinishe
 :meth:`close` before the manager's ``close``. REST handlers call :meth:`submit`,
 :meth:`info`, :meth:`list_batches` and :meth:`cancel`; each raises kernelhub errors only.
 
-Scheduling: a :class:`~kernelhub.session.fair_queue.FairQueue` picks the item that starts
-whenever a slot may have freed; principals take turns and none holds every slot, so one
-tenant's day-long items cannot starve another's batch. Each started item is a task owned
-here (cancelled and awaited by :meth:`close`), and so is each session deletion, so a
-second cancellation cannot leave a session behind.
+Scheduling (issue #24): the queue is the store's (:mod:`kernelhub.store.batch_queue`), so
+every node sharing a store works every batch, whichever node it was submitted through.
+Each node's runner claims items whenever it has a free slot (``KERNELHUB_BATCH__
+CONCURRENCY`` here, at most ``PRINCIPAL_CONCURRENCY`` of one principal's), at once when a
+batch is submitted or an item ends here and every ``POLL_INTERVAL`` otherwise (for work
+submitted elsewhere). The claim is fair between principals (fewest running first, across
+the cluster); a batch's own ``concurrency``, like the slots, counts per node. Each started item
+is a task owned here (cancelled and awaited by :meth:`close`), and so is each session
+deletion, so a second cancellation cannot leave a session behind.
 
-Persistence: batches and items are rows in the store, updated at each transition, and
-every read comes from there. Items a previous process left unfinished are marked failed
-at start-up, saying to submit them again (their inputs are not stored, and only the client
-knows whether the work is still wanted); their sessions are deleted.
+Claims are leases, renewed on every pass while an item runs: the pass also learns which of
+this node's items were cancelled through another node (they are interrupted here) and
+which claims lapsed (settled elsewhere: stopped here, and their outcome not written). A
+lost node's items return to the queue when its leases run out, unless their code had
+reached a kernel: those end and never run twice.
+
+Persistence: batches and items (with their inputs, while they wait) are rows in the
+store, updated at each transition, and every read comes from there. At start-up and at
+shutdown this node's claims lapse at once: items whose code had not reached a kernel wait
+again for any node; the others end (at shutdown their sessions are deleted, saying so).
 
 Idempotency keys: an item whose key the principal used before is stored as a duplicate of
 the first item and never runs. An item whose code never reached a kernel (cancelled while
@@ -34,23 +44,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from kernelhub.config import Settings
 from kernelhub.errors import InvalidRequestError, KernelhubError, NotFoundError, QuotaError
 from kernelhub.models import ExecutionStatus
 from kernelhub.session.batch_item import BATCH_ID_KEY, BATCH_INDEX_KEY, Item, ItemSessions, Outcome
-from kernelhub.session.fair_queue import FairQueue, principal_cap
 from kernelhub.session.manager import SessionManager, execution_info
+from kernelhub.store import node_name
 from kernelhub.store.base import Store
 from kernelhub.store.records import Principal, StoredBatch, StoredBatchItem
 from kernelhub.wire import (
     BatchCreate,
     BatchInfo,
+    BatchItemIn,
     BatchItemInfo,
     BatchItemRef,
     BatchState,
@@ -90,6 +102,12 @@ def retry_after(excess: int, concurrency: int, item_seconds: float) -> float:
     return min(600.0, max(1.0, excess / concurrency * item_seconds))
 
 
+def principal_cap(concurrency: int, configured: int | None) -> int:
+    """The items one principal may run at once on a node: ``configured``, or by default
+    half the slots (rounded up), so another principal's batch always finds one free."""
+    return configured if configured is not None else math.ceil(concurrency / 2)
+
+
 def wait_seconds(item: StoredBatchItem, now: datetime) -> float | None:
     """How long the item waited for a slot (so far, if it still waits)."""
     if item.duplicate_of is not None:
@@ -110,11 +128,13 @@ class BatchObserver:
 
 
 @dataclass
-class _Batch:
-    id: str
+class _Run:
+    """An item this node claimed and runs."""
+
+    batch_id: str
     owner: Principal
-    items: list[Item]  # the ones that run (duplicates do not)
-    cancelled: bool = False
+    item: Item
+    started_at: datetime
 
 
 class BatchRunner:
@@ -129,104 +149,78 @@ class BatchRunner:
         self.manager = manager
         self.store = store
         self.observer = observer or BatchObserver()
+        self.node = node_name(settings)
         cfg = settings.batch
-        self._queue: FairQueue[Item] = FairQueue(
-            cfg.concurrency, principal_cap(cfg.concurrency, cfg.principal_concurrency)
-        )
-        self._batches: dict[str, _Batch] = {}
-        self._runs: set[asyncio.Task[None]] = set()
+        self._principal_limit = principal_cap(cfg.concurrency, cfg.principal_concurrency)
+        self._runs: dict[tuple[str, int], _Run] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self._sessions = ItemSessions(manager, store, settings.engine.interrupt_grace + 2.0)
         self._submit_lock = asyncio.Lock()
-        self._queued = 0
+        self._queued = 0  # waiting, every node: as of the last claim or submission
         self._item_seconds = _INITIAL_ITEM_SECONDS
         self._closing = False
+        self._wake = asyncio.Event()
+        self._claims: asyncio.Task[None] | None = None
 
     @property
     def queue_length(self) -> int:
-        """Items waiting for a slot, all batches."""
+        """Items waiting for a slot, all batches (as of this node's last look)."""
         return self._queued
 
     @property
     def running(self) -> int:
-        return sum(
-            1
-            for b in self._batches.values()
-            for i in b.items
-            if i.status == ExecutionStatus.RUNNING
-        )
+        """Items running on this node."""
+        return len(self._runs)
 
     # -- start-up and shutdown ---------------------------------------------------------
 
     async def start(self) -> None:
-        """Settle the items a previous process left queued or running, and delete their
-        sessions (the manager has re-adopted them by now)."""
-        leftovers = await self.store.unfinished_batch_items()
-        if not leftovers:
-            return
-        now = datetime.now(UTC)
-        for item in leftovers:
-            ran = item.execution_id is not None
-            if item.status == ExecutionStatus.QUEUED:
-                error = "the gateway restarted before this item started; submit it again"
-            elif not ran:
-                error = (
-                    "the gateway restarted while this item's session was starting; submit it again"
-                )
-            else:
-                error = (
-                    "the gateway restarted while this item's code ran; its output may be "
-                    "incomplete. It keeps its idempotency key (it may have run): submit it "
-                    "again under a new key if running it twice is safe"
-                )
-            await self.store.update_batch_item(
-                item.batch_id,
-                item.index,
-                status=ExecutionStatus.FAILED,
-                finished_at=now,
-                error=error,
-                release_key=not ran,
-            )
-            self.observer.on_finished(ExecutionStatus.FAILED)
-        left = {(i.batch_id, i.index) for i in leftovers}
+        """Settle what a previous process of this node left claimed (see the module) and
+        delete those items' sessions (the manager has re-adopted them by now); then start
+        claiming."""
+        unfinished = await self.store.unfinished_batch_items()
+        mine = [i for i in unfinished if i.node == self.node]
+        if mine:
+            await self.store.release_batch_items(self.node)
+            log.info("settled %d batch items a previous process of this node left", len(mine))
+        # Every batch session held here is a leftover, but one of an item another node runs.
+        elsewhere = {
+            (i.batch_id, i.index)
+            for i in unfinished
+            if i.status == ExecutionStatus.RUNNING and i.node not in (None, self.node)
+        }
         everyone = Principal(name="kernelhub", admin=True)
         for info in await self.manager.list_sessions(everyone, everyone=True):
             tag = (info.metadata.get(BATCH_ID_KEY), info.metadata.get(BATCH_INDEX_KEY))
-            if tag in left:
+            if tag[0] is not None and tag not in elsewhere:
                 with contextlib.suppress(KernelhubError):
                     await self.manager.delete(Principal(name=info.owner), info.id)
-        log.info("settled %d batch items a previous gateway process left unfinished", len(left))
+        self._queued = await self.store.waiting_batch_items()
+        self._claims = asyncio.create_task(self._claim_loop(), name="kernelhub-batch-claims")
 
     async def close(self) -> None:
-        """Stop every batch: running items fail (their sessions are deleted), queued ones
-        fail saying to submit them again. Nothing is left unrecorded."""
+        """Stop claiming and stop this node's items: those whose code ran fail (their
+        sessions are deleted); the others, and every waiting item, stay queued for any
+        node (this one after a restart). Nothing is left unrecorded."""
         self._closing = True
-        batches = list(self._batches.values())
-        runs = list(self._runs)
-        for task in runs:
+        if self._claims is not None:
+            self._claims.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._claims
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*runs, return_exceptions=True)
-        now = datetime.now(UTC)
-        for batch in batches:
-            for item in batch.items:
-                # Still running here: its task was cancelled before its first step.
-                if not item.status.is_final:
-                    await self._finish(
-                        batch,
-                        item,
-                        Outcome(
-                            error="the gateway shut down before this item started; submit it again",
-                            release_key=True,
-                        ),
-                        now,
-                    )
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(KernelhubError):  # the store went first: leases lapse
+            await self.store.release_batch_items(self.node)
         await self._sessions.drain()
 
     # -- requests ----------------------------------------------------------------------
 
     async def submit(self, principal: Principal, body: BatchCreate) -> BatchInfo:
         """Queue a batch. Refuses (429) a batch that would push the items waiting, all
-        batches together, beyond ``KERNELHUB_BATCH__MAX_QUEUED_ITEMS``; (507) one from a
-        principal over its storage quota."""
+        batches and nodes together, beyond ``KERNELHUB_BATCH__MAX_QUEUED_ITEMS``; (507) one
+        from a principal over its storage quota."""
         cfg = self.settings.batch
         if self._closing:
             raise QuotaError("the gateway is shutting down; retry shortly", retry_after=5)
@@ -256,6 +250,7 @@ class BatchRunner:
                     f"the batch has {new} items to run; at most {cfg.max_queued_items} may "
                     "wait at once (KERNELHUB_BATCH__MAX_QUEUED_ITEMS): split it"
                 )
+            self._queued = await self.store.waiting_batch_items()
             excess = self._queued + new - cfg.max_queued_items
             if excess > 0:
                 raise QuotaError(
@@ -280,24 +275,13 @@ class BatchRunner:
                         owner=principal.name,
                         idempotency_key=item.idempotency_key,
                         queued_at=now,
+                        body=item.model_dump_json(),
                     )
                     for n, item in enumerate(body.items)
                 ],
             )
-            batch = _Batch(
-                id=stored.id,
-                owner=Principal(name=principal.name),
-                items=[
-                    Item(index=row.index, body=body.items[row.index], queued_at=now)
-                    for row in rows
-                    if row.duplicate_of is None
-                ],
-            )
-            if batch.items:
-                self._queued += len(batch.items)
-                self._batches[batch.id] = batch
-                self._queue.add(principal.name, batch.id, batch.items, concurrency)
-                self._start_due()
+            self._queued += sum(1 for row in rows if row.duplicate_of is None)
+        self._wake.set()
         return await self.info(principal, stored.id, results=False)
 
     async def info(self, principal: Principal, batch_id: str, *, results: bool = True) -> BatchInfo:
@@ -321,6 +305,7 @@ class BatchRunner:
                     if row.duplicate_of
                     else None,
                     session_id=row.session_id,
+                    node=row.node,
                     execution_id=row.execution_id,
                     queued_at=row.queued_at,
                     started_at=row.started_at,
@@ -339,86 +324,113 @@ class BatchRunner:
         return [self._summary(b, statuses.get(b.id, []), None) for b in batches]
 
     async def cancel(self, principal: Principal, batch_id: str) -> BatchInfo:
-        """Cancel the items still queued and interrupt the running ones. An item that
-        ignores the interrupt is stopped by deleting its session after the engine's
+        """Cancel the items still queued and interrupt the running ones, on whichever node
+        they run (another node's see it on their next pass). An item that ignores the
+        interrupt is stopped by deleting its session after the engine's
         ``interrupt_grace``. A finished batch is left as it is."""
         await self._own(principal, batch_id)
-        batch = self._batches.get(batch_id)
-        if batch is not None and not batch.cancelled:
-            batch.cancelled = True
-            dropped = self._queue.drop(batch_id)  # before any await: none of them starts
-            await self.store.cancel_batch(batch_id)
-            now = datetime.now(UTC)
-            for item in dropped:
-                if item.status == ExecutionStatus.QUEUED:
-                    outcome = Outcome(
-                        status=ExecutionStatus.CANCELLED,
-                        error="the batch was cancelled before this item started",
-                        release_key=True,
-                    )
-                    await self._finish(batch, item, outcome, now)
-            await asyncio.gather(
-                *(
-                    self._sessions.stop(batch.owner, i)
-                    for i in batch.items
-                    if i.status == ExecutionStatus.RUNNING
-                )
-            )
-            self._forget_if_ended(batch)
+        statuses = (await self.store.batch_statuses([batch_id]))[batch_id]
+        if not all(s.is_final for s in statuses):
+            dropped = await self.store.cancel_queued_batch_items(batch_id)
+            self._queued = max(0, self._queued - dropped)
+            for _ in range(dropped):
+                self.observer.on_finished(ExecutionStatus.CANCELLED)
+            await self._stop(r for r in self._runs.values() if r.batch_id == batch_id)
         return await self.info(principal, batch_id, results=False)
 
     # -- running -----------------------------------------------------------------------
 
-    def _start_due(self) -> None:
-        """Start every item the queue lets start now (see the module on the turns)."""
-        while not self._closing and (due := self._queue.next()) is not None:
-            batch_id, item = due
-            batch = self._batches[batch_id]
-            item.status = ExecutionStatus.RUNNING
-            self._queued -= 1
-            task = asyncio.create_task(
-                self._run(batch, item), name=f"batch-{batch.id}-{item.index}"
+    async def _claim_loop(self) -> None:
+        """Renew, claim, start; again when woken (a submission, a freed slot, a cancel) or
+        after the poll interval (work submitted through other nodes)."""
+        cfg = self.settings.batch
+        while True:
+            self._wake.clear()
+            try:
+                await self._pass()
+            except KernelhubError as exc:  # the store is unreachable: try again later
+                log.warning("batch queue: %s", exc)
+            except Exception:  # a bug must not stop this node's batches for good
+                log.exception("batch queue: a pass failed unexpectedly")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(cfg.poll_interval):
+                    await self._wake.wait()
+
+    async def _pass(self) -> None:
+        cfg = self.settings.batch
+        if self._runs:
+            until = datetime.now(UTC) + timedelta(seconds=cfg.lease_ttl)
+            held = {(h.batch_id, h.index): h for h in await self.store.renew_batch_items(
+                self.node, until)}  # fmt: skip
+            await self._stop(
+                run
+                for key, run in self._runs.items()
+                if (h := held.get(key)) is None or h.cancelled
             )
-            self._runs.add(task)
-            task.add_done_callback(self._runs.discard)
+        claim = await self.store.claim_batch_items(
+            self.node,
+            max(0, cfg.concurrency - len(self._runs)),
+            cfg.lease_ttl,
+            principal_limit=self._principal_limit,
+        )
+        self._queued = claim.waiting
+        for stored in claim.items:
+            self._start(stored)
 
-    def _forget_if_ended(self, batch: _Batch) -> None:
-        if all(i.status.is_final for i in batch.items):
-            self._batches.pop(batch.id, None)
+    def _start(self, stored: StoredBatchItem) -> None:
+        assert stored.body is not None and stored.started_at is not None
+        item = Item(
+            index=stored.index,
+            body=BatchItemIn.model_validate_json(stored.body),
+            queued_at=stored.queued_at,
+            status=ExecutionStatus.RUNNING,
+        )
+        run = _Run(stored.batch_id, Principal(name=stored.owner), item, stored.started_at)
+        self._runs[(run.batch_id, item.index)] = run
+        task = asyncio.create_task(self._run(run), name=f"batch-{run.batch_id}-{item.index}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, batch: _Batch, item: Item) -> None:
+    async def _stop(self, runs: Iterable[_Run]) -> None:
+        """Stop each run once (stopping again would push its grace back)."""
+        runs = [r for r in runs if not r.item.stop_requested]
+        await asyncio.gather(*(self._sessions.stop(r.owner, r.item) for r in runs))
+
+    async def _run(self, run: _Run) -> None:
         """One item, start to end (:class:`ItemSessions` runs it), then its outcome is
         recorded and the next item may start; never raises except to be cancelled."""
-        started = datetime.now(UTC)
+        item = run.item
         t0 = time.monotonic()
-        self.observer.on_wait((started - item.queued_at).total_seconds())
+        self.observer.on_wait((run.started_at - item.queued_at).total_seconds())
         outcome = Outcome()
         try:
-            await self._sessions.run(batch.id, batch.owner, item, outcome, started)
+            await self._sessions.run(run.batch_id, run.owner, item, outcome)
         finally:
             try:
-                await self._finish(batch, item, outcome, datetime.now(UTC))
-                seconds = time.monotonic() - t0
-                self._item_seconds = 0.8 * self._item_seconds + 0.2 * seconds
+                # Shutting down before its code ran: it waits again (close releases it).
+                if not (self._closing and not item.submitting):
+                    await self._finish(run, outcome, datetime.now(UTC))
+                    seconds = time.monotonic() - t0
+                    self._item_seconds = 0.8 * self._item_seconds + 0.2 * seconds
             finally:
-                self._queue.done(batch.id)
-                self._forget_if_ended(batch)
-                self._start_due()
+                self._runs.pop((run.batch_id, item.index), None)
+                self._wake.set()
 
-    async def _finish(self, batch: _Batch, item: Item, outcome: Outcome, now: datetime) -> None:
-        if item.status == ExecutionStatus.QUEUED:
-            self._queued -= 1
+    async def _finish(self, run: _Run, outcome: Outcome, now: datetime) -> None:
+        item = run.item
         item.status = outcome.status
         item.body = None  # its inputs are no longer needed
-        await self.store.update_batch_item(
-            batch.id,
+        recorded = await self.store.update_batch_item(
+            run.batch_id,
             item.index,
             status=outcome.status,
             finished_at=now,
             error=outcome.error,
             release_key=outcome.release_key,
+            claimed_by=self.node,
         )
-        self.observer.on_finished(outcome.status)
+        if recorded:  # else its claim lapsed, and the node that settled it counted it
+            self.observer.on_finished(outcome.status)
 
     # -- reading -----------------------------------------------------------------------
 

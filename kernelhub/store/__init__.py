@@ -11,9 +11,14 @@ if TYPE_CHECKING:
     from kernelhub.store.base import Store
 
 
+def node_name(settings: Settings) -> str:
+    """This machine's name in the store: ``KERNELHUB_STORE__NODE``, or the host name."""
+    return settings.store.node or socket.gethostname()
+
+
 async def open_store(settings: Settings) -> Store:
     """The store the settings name, open (schema migrated); the caller closes it."""
-    node = settings.store.node or socket.gethostname()
+    node = node_name(settings)
     code_bytes = settings.storage.audit_code_bytes
     if settings.store.url is None:
         from kernelhub.store.sqlite import SqliteStore

@@ -50,6 +50,7 @@ from typing import Any
 
 from kernelhub.cluster.models import NodeInfo
 from kernelhub.models import Event, ExecutionRecord, ExecutionStatus
+from kernelhub.store.batch_queue import BatchClaim, HeldItem
 from kernelhub.store.quota import StorageLedger
 from kernelhub.store.records import (
     AuditEntry,
@@ -321,9 +322,49 @@ class Store(ABC):
         finished_at: datetime | None = None,
         error: str | None = None,
         release_key: bool = False,
-    ) -> asyncio.Future[None]:
+        submitted_at: datetime | None = None,
+        claimed_by: str | None = None,
+    ) -> asyncio.Future[bool]:
         """Set the given fields (None leaves one as it is). ``release_key`` frees the item's
-        idempotency key, for an item whose code never reached a kernel: sent again, it runs."""
+        idempotency key, for an item whose code never reached a kernel: sent again, it runs.
+        ``submitted_at``: its code goes to a kernel now (from here on it never runs again).
+        With ``claimed_by`` the write applies only while that node's claim on the item
+        stands. Resolves to whether the row changed."""
+
+    # The batch queue, shared by every node (batch_queue.py has the rules).
+
+    @abstractmethod
+    def claim_batch_items(
+        self,
+        node: str,
+        limit: int,
+        lease: float,
+        *,
+        principal_limit: int | None = None,
+        now: datetime | None = None,
+    ) -> asyncio.Future[BatchClaim]:
+        """Claim up to ``limit`` runnable items for ``node`` for ``lease`` seconds, fair
+        between principals, at most ``principal_limit`` of one principal's on this node;
+        first settling the claims whose lease ran out by ``now``. Two nodes never claim
+        the same item; an item whose code reached a kernel is never claimed again."""
+
+    @abstractmethod
+    def renew_batch_items(self, node: str, expires_at: datetime) -> asyncio.Future[list[HeldItem]]:
+        """Extend ``node``'s claims; the items it still holds, and whether each one's batch
+        was cancelled."""
+
+    @abstractmethod
+    def release_batch_items(self, node: str) -> asyncio.Future[int]:
+        """Every claim of ``node`` lapses now (the node starts or stops): items whose code
+        never ran go back to the queue, the others end. Returns how many."""
+
+    @abstractmethod
+    def cancel_queued_batch_items(self, batch_id: str) -> asyncio.Future[int]:
+        """Cancel the batch and its waiting items (their keys freed); how many there were."""
+
+    @abstractmethod
+    async def waiting_batch_items(self) -> int:
+        """Items waiting for a node, all batches."""
 
     @abstractmethod
     def cancel_batch(self, batch_id: str) -> asyncio.Future[None]: ...

@@ -268,6 +268,7 @@ def _batch_item(r: Row) -> StoredBatchItem:
         finished_at=time_of(r[9]),
         error=r[10],
         duplicate_of=(r[11], r[12]) if r[11] is not None else None,
+        node=r[13],
     )
 
 
@@ -293,10 +294,12 @@ def insert_batch(batch: StoredBatch, items: Sequence[StoredBatchItem]) -> Op[lis
         dup = item.duplicate_of
         yield Query(
             "INSERT INTO batch_items (batch_id, idx, owner, idempotency_key, status, queued_at,"
-            " dup_batch_id, dup_idx) VALUES (?,?,?,?,?,?,?,?)",
+            " dup_batch_id, dup_idx, body) VALUES (?,?,?,?,?,?,?,?,?)",
             (item.batch_id, item.index, item.owner, item.idempotency_key, item.status.value,
-             item.queued_at.isoformat(), dup[0] if dup else None, dup[1] if dup else None),
+             item.queued_at.isoformat(), dup[0] if dup else None, dup[1] if dup else None,
+             None if dup else item.body),
         )  # fmt: skip
+        item = item.model_copy(update={"body": None})
         stored.append(item)
     return stored
 
@@ -323,19 +326,28 @@ def update_batch_item(
     finished_at: datetime | None,
     error: str | None,
     release_key: bool,
-) -> Op[None]:
-    yield Query(
+    submitted_at: datetime | None = None,
+    claimed_by: str | None = None,
+) -> Op[bool]:
+    """Returns whether the row changed: with ``claimed_by``, only while that node's claim
+    on the item stands (a lapsed claim was settled by another node: batch_queue.py)."""
+    final = int(status is not None and status.is_final)  # its input is no longer needed
+    changed = yield Query(
         "UPDATE batch_items SET status = COALESCE(?, status),"
         " session_id = COALESCE(?, session_id), execution_id = COALESCE(?, execution_id),"
         " started_at = COALESCE(?, started_at), finished_at = COALESCE(?, finished_at),"
-        " error = COALESCE(?, error),"
-        " idempotency_key = CASE WHEN ? = 1 THEN NULL ELSE idempotency_key END"
-        " WHERE batch_id = ? AND idx = ?",
+        " submitted_at = COALESCE(?, submitted_at), error = COALESCE(?, error),"
+        " idempotency_key = CASE WHEN ? = 1 THEN NULL ELSE idempotency_key END,"
+        " body = CASE WHEN ? = 1 THEN NULL ELSE body END"
+        " WHERE batch_id = ? AND idx = ? AND (CAST(? AS TEXT) IS NULL OR node = ?)",
         (status.value if status else None, session_id, execution_id,
          started_at.isoformat() if started_at else None,
-         finished_at.isoformat() if finished_at else None, error, int(release_key), batch_id,
-         index),
+         finished_at.isoformat() if finished_at else None,
+         submitted_at.isoformat() if submitted_at else None, error, int(release_key), final,
+         batch_id, index, claimed_by, claimed_by),
+        rowcount=True,
     )  # fmt: skip
+    return bool(changed[0][0])
 
 
 def cancel_batch(batch_id: str) -> Op[None]:
@@ -364,7 +376,7 @@ _ITEMS = (
     " COALESCE(o.status, i.status), COALESCE(o.session_id, i.session_id),"
     " COALESCE(o.execution_id, i.execution_id), i.queued_at,"
     " COALESCE(o.started_at, i.started_at), COALESCE(o.finished_at, i.finished_at),"
-    " COALESCE(o.error, i.error), i.dup_batch_id, i.dup_idx"
+    " COALESCE(o.error, i.error), i.dup_batch_id, i.dup_idx, COALESCE(o.node, i.node)"
     " FROM batch_items i"
     " LEFT JOIN batch_items o ON o.batch_id = i.dup_batch_id AND o.idx = i.dup_idx"
 )

@@ -242,6 +242,45 @@ def _nodes() -> Op[None]:
     )
 
 
+def _batch_queue() -> Op[None]:
+    """Version 8 (issue #24): batch items queued in the store for every node to claim. An
+    item keeps its input (``body``, BatchItemIn JSON) while it waits, so any node can run
+    it; ``node`` and ``lease_expires_at`` say who runs it until when (a lost node's claim
+    lapses); ``submitted_at`` marks that its code went to a kernel, after which it never
+    runs again."""
+    for sql in (
+        "ALTER TABLE batch_items ADD COLUMN body TEXT",
+        "ALTER TABLE batch_items ADD COLUMN node TEXT",
+        "ALTER TABLE batch_items ADD COLUMN lease_expires_at TEXT",
+        "ALTER TABLE batch_items ADD COLUMN submitted_at TEXT",
+        "CREATE INDEX IF NOT EXISTS batch_items_node ON batch_items(node, status)",
+        # The queue itself: batch_queue.py's runnable items, in the order claims take
+        # them. Partial, so PostgreSQL walks it in (batch, index) order (with the
+        # IS NULL term inside the key it sorted every waiting item of a batch per claim).
+        "CREATE INDEX IF NOT EXISTS batch_items_waiting ON batch_items(batch_id, idx)"
+        " WHERE status = 'queued' AND dup_batch_id IS NULL",
+    ):
+        yield Query(sql, ddl=True)
+    # The items an older gateway left unfinished have no stored input: they end, as that
+    # gateway's restart would have ended them (keys freed where their code never ran).
+    now = datetime.now(UTC).isoformat()
+    for where, release, error in (
+        ("status = 'queued'", 1, "the gateway restarted before this item started; submit it again"),
+        ("status = 'running' AND execution_id IS NULL", 1,
+         "the gateway restarted while this item's session was starting; submit it again"),
+        ("status = 'running' AND execution_id IS NOT NULL", 0,
+         "the gateway restarted while this item's code ran; its output may be incomplete. It "
+         "keeps its idempotency key (it may have run): submit it again under a new key if "
+         "running it twice is safe"),
+    ):  # fmt: skip
+        yield Query(
+            "UPDATE batch_items SET status = 'failed', finished_at = ?, error = ?,"
+            " idempotency_key = CASE WHEN ? = 1 THEN NULL ELSE idempotency_key END"
+            f" WHERE {where} AND dup_batch_id IS NULL",
+            (now, error, release),
+        )
+
+
 # Version N+1 is reached by MIGRATIONS[N - 1]; append, never edit or reorder.
 MIGRATIONS: list[Callable[[], Op[None]]] = [
     _storage,
@@ -250,6 +289,7 @@ MIGRATIONS: list[Callable[[], Op[None]]] = [
     _placement,
     _tier_columns,
     _nodes,
+    _batch_queue,
 ]
 LATEST = 1 + len(MIGRATIONS)
 

@@ -129,6 +129,10 @@ class StoredBatchItem(BaseModel):
     finished_at: datetime | None = None
     error: str | None = None
     duplicate_of: tuple[str, int] | None = None
+    node: str | None = None  # the node that claimed it (runs or ran it)
+    # Its input (BatchItemIn JSON), written with the item for any node to run; reads
+    # leave it out (a claim returns it).
+    body: str | None = None
 
 
 class AuditEntry(BaseModel):

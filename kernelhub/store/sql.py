@@ -17,16 +17,18 @@ import logging
 import secrets
 from abc import abstractmethod
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from kernelhub.cluster.models import NodeInfo
 from kernelhub.errors import StoreError
 from kernelhub.models import Event, ExecutionRecord, ExecutionStatus
+from kernelhub.store import batch_queue as bq
 from kernelhub.store import executions as x
 from kernelhub.store import nodes as nq
 from kernelhub.store import queries as q
 from kernelhub.store.base import Store, Then
+from kernelhub.store.batch_queue import BatchClaim, HeldItem
 from kernelhub.store.queries import Op
 from kernelhub.store.quota import StorageLedger
 from kernelhub.store.records import (
@@ -413,7 +415,8 @@ class SqlStore(Store):
     def insert_batch(
         self, batch: StoredBatch, items: Sequence[StoredBatchItem]
     ) -> asyncio.Future[list[StoredBatchItem]]:
-        return self._now(x.insert_batch(batch, items), 256 * len(items))
+        size = sum(256 + len(i.body or "") for i in items)
+        return self._now(x.insert_batch(batch, items), size)
 
     async def used_batch_keys(self, owner: str, keys: Sequence[str]) -> set[str]:
         return await self._read(x.used_batch_keys(owner, keys))
@@ -430,12 +433,40 @@ class SqlStore(Store):
         finished_at: datetime | None = None,
         error: str | None = None,
         release_key: bool = False,
-    ) -> asyncio.Future[None]:
+        submitted_at: datetime | None = None,
+        claimed_by: str | None = None,
+    ) -> asyncio.Future[bool]:
         op = x.update_batch_item(
             batch_id, index, status=status, session_id=session_id, execution_id=execution_id,
             started_at=started_at, finished_at=finished_at, error=error, release_key=release_key,
+            submitted_at=submitted_at, claimed_by=claimed_by,
         )  # fmt: skip
         return self._now(op, 0)
+
+    def claim_batch_items(
+        self,
+        node: str,
+        limit: int,
+        lease: float,
+        *,
+        principal_limit: int | None = None,
+        now: datetime | None = None,
+    ) -> asyncio.Future[BatchClaim]:
+        now = now or datetime.now(UTC)
+        until = now + timedelta(seconds=lease)
+        return self._now(bq.claim_batch_items(node, limit, until, now, principal_limit))
+
+    def renew_batch_items(self, node: str, expires_at: datetime) -> asyncio.Future[list[HeldItem]]:
+        return self._now(bq.renew_batch_items(node, expires_at))
+
+    def release_batch_items(self, node: str) -> asyncio.Future[int]:
+        return self._now(bq.release_batch_items(node, datetime.now(UTC)))
+
+    def cancel_queued_batch_items(self, batch_id: str) -> asyncio.Future[int]:
+        return self._now(bq.cancel_queued_batch_items(batch_id, datetime.now(UTC)))
+
+    async def waiting_batch_items(self) -> int:
+        return await self._read(bq.count_waiting())
 
     def cancel_batch(self, batch_id: str) -> asyncio.Future[None]:
         return self._now(x.cancel_batch(batch_id), 0)

@@ -16,7 +16,13 @@ import pydantic
 import pytest
 
 from kernelhub.config import Settings, StorageSettings, load_settings
-from kernelhub.errors import InvalidRequestError, NotFoundError, QuotaError, SessionError
+from kernelhub.errors import (
+    ConfigError,
+    InvalidRequestError,
+    NotFoundError,
+    QuotaError,
+    SessionError,
+)
 from kernelhub.models import EndedBy, Execution, ExecutionRecord, ExecutionStatus
 from kernelhub.session.batch_item import BATCH_ID_KEY, BATCH_INDEX_KEY
 from kernelhub.session.batches import (
@@ -244,6 +250,7 @@ class FakeManager:
 def batch_settings(tmp_path: Path, **batch: int) -> Settings:
     return load_settings(
         data_dir=tmp_path / "data",
+        store={"node": "n1"},
         batch={"concurrency": 3, **batch},
         engine={"interrupt_grace": 0.05},
     )
@@ -274,6 +281,7 @@ async def test_runs_bounded_fresh_and_cleaned_up(tmp_path: Path, store: SqliteSt
     fake = FakeManager()
     fake.refusals = 2  # the first creates meet a full gateway: the item waits, then runs
     runner = BatchRunner(batch_settings(tmp_path), fake, store)  # type: ignore[arg-type]
+    await runner.start()
     data = base64.b64encode(b"x,y").decode()
     try:
         big = await runner.submit(ALICE, items(*["ok"] * 8, "raise", files={"in.csv": data}))
@@ -296,6 +304,7 @@ async def test_a_principals_long_batch_leaves_room_for_anothers(
 ) -> None:
     fake = FakeManager()
     runner = BatchRunner(batch_settings(tmp_path, concurrency=4), fake, store)  # type: ignore[arg-type]
+    await runner.start()
     bob = Principal(name="bob")
     try:
         long = await runner.submit(ALICE, items(*["hang"] * 6))
@@ -316,6 +325,7 @@ async def test_capacity_keys_and_access(tmp_path: Path, store: SqliteStore) -> N
     fake = FakeManager()
     settings = batch_settings(tmp_path, max_queued_items=5, max_items=5, principal_concurrency=3)
     runner = BatchRunner(settings, fake, store)  # type: ignore[arg-type]
+    await runner.start()
     try:
         with pytest.raises(InvalidRequestError, match="MAX_ITEMS"):
             await runner.submit(ALICE, items(*["ok"] * 6))
@@ -349,6 +359,7 @@ async def test_cancel_interrupts_and_stops_the_stubborn(tmp_path: Path, store: S
     fake = FakeManager()
     settings = batch_settings(tmp_path, principal_concurrency=3)
     runner = BatchRunner(settings, fake, store)  # type: ignore[arg-type]
+    await runner.start()
     try:
         batch = await runner.submit(
             ALICE, items("hang", "stubborn", "hang", "ok", "ok", idempotency_key=None)
@@ -371,29 +382,35 @@ async def test_close_and_restart_leave_nothing_unrecorded(
     fake = FakeManager()
     settings = batch_settings(tmp_path, concurrency=1)
     runner = BatchRunner(settings, fake, store)  # type: ignore[arg-type]
+    await runner.start()
     keyed = BatchCreate(
-        items=[BatchItemIn(code="hang", idempotency_key=k) for k in ("run", "wait")]
+        items=[BatchItemIn(code=c, idempotency_key=k) for c, k in (("hang", "run"), ("ok", "wait"))]
     )
     batch = await runner.submit(ALICE, keyed)
     await eventually(lambda: len(fake.handles) == 1, 5)
     await runner.close()
+    # The item whose code ran fails; the waiting one waits on, for any node.
     info = await runner.info(ALICE, batch.id)
-    assert info.counts == {"failed": 2} and fake.sessions == {}
-    assert info.items is not None and "shut down" in (info.items[1].error or "")
-    assert await store.used_batch_keys("alice", ["run", "wait"]) == {"run"}
+    assert info.counts == {"failed": 1, "queued": 1} and fake.sessions == {}
+    assert info.items is not None and "shut down while" in (info.items[0].error or "")
+    assert await store.used_batch_keys("alice", ["run", "wait"]) == {"run", "wait"}
 
-    # A process killed mid-item: its rows still say running/queued, its session lives on.
+    # A process killed mid-item: its claims stand, one item's code had gone to a kernel
+    # (its session lives on), the other's had not.
     now = datetime.now(UTC)
     await store.insert_batch(
-        StoredBatch(id="gone", owner="alice", created_at=now, concurrency=1),
+        StoredBatch(id="gone", owner="alice", created_at=now, concurrency=2),
         [
             StoredBatchItem(
-                batch_id="gone", index=n, owner="alice", idempotency_key=f"g{n}", queued_at=now
+                batch_id="gone", index=n, owner="alice", idempotency_key=f"g{n}", queued_at=now,
+                body=BatchItemIn(code="ok").model_dump_json(),
             )
             for n in range(2)
         ],
-    )
-    await store.update_batch_item("gone", 0, status=R, execution_id="e0")
+    )  # fmt: skip
+    claim = await store.claim_batch_items(runner.node, 3, 60.0)
+    assert [(i.batch_id, i.index) for i in claim.items] == [(batch.id, 1), ("gone", 0), ("gone", 1)]
+    await store.update_batch_item("gone", 0, execution_id="e0", submitted_at=now)
     fake.sessions["left"] = {
         "owner": "alice",
         "files": {},
@@ -402,7 +419,61 @@ async def test_close_and_restart_leave_nothing_unrecorded(
     fake.sessions["mine"] = {"owner": "alice", "files": {}, "metadata": {}}
     restarted = BatchRunner(settings, fake, store)  # type: ignore[arg-type]
     await restarted.start()
-    gone = await restarted.info(ALICE, "gone")
-    assert gone.counts == {"failed": 2} and list(fake.sessions) == ["mine"]
-    assert await store.used_batch_keys("alice", ["g0", "g1"]) == {"g0"}  # g1 never ran
-    await restarted.close()
+    try:
+        gone = await finished(restarted, "gone")
+        first = await finished(restarted, batch.id)
+    finally:
+        await restarted.close()
+    assert gone.items is not None and [i.status for i in gone.items] == [
+        ExecutionStatus.FAILED, C,
+    ]  # fmt: skip
+    assert "while its code ran" in (gone.items[0].error or "")
+    assert first.counts == {"failed": 1, "completed": 1}
+    assert list(fake.sessions) == ["mine"]
+    assert await store.used_batch_keys("alice", ["g0", "g1"]) == {"g0", "g1"}
+
+
+def test_a_lease_that_would_lapse_between_renewals_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="KERNELHUB_BATCH__LEASE_TTL"):
+        load_settings(data_dir=tmp_path, batch={"poll_interval": 20.0})
+
+
+def node_settings(tmp_path: Path, node: str) -> Settings:
+    return load_settings(
+        data_dir=tmp_path / node,
+        store={"node": node},
+        batch={"concurrency": 2, "principal_concurrency": 2, "poll_interval": 0.05,
+               "lease_ttl": 0.5},
+        engine={"interrupt_grace": 0.05},
+    )  # fmt: skip
+
+
+async def test_nodes_share_one_queue_and_a_lost_nodes_items_run_once(
+    tmp_path: Path, store: SqliteStore
+) -> None:
+    fakes = [FakeManager(), FakeManager()]
+    a, b = (
+        BatchRunner(node_settings(tmp_path, n), f, store)  # type: ignore[arg-type]
+        for n, f in zip(("n1", "n2"), fakes, strict=True)
+    )
+    batch = await a.submit(ALICE, items(*["ok"] * 7))
+    # Two nodes that claimed items and vanished: one before their code reached a kernel,
+    # the other after (a batch's concurrency counts per node: 2 here).
+    lost = await store.claim_batch_items("gone", 2, 0.5)
+    assert [i.index for i in lost.items] == [0, 1]
+    lost = await store.claim_batch_items("gone-too", 1, 0.5)
+    assert [i.index for i in lost.items] == [2]
+    await store.update_batch_item(batch.id, 2, submitted_at=datetime.now(UTC))
+    await a.start()
+    await b.start()
+    try:
+        done = await finished(b, batch.id)  # read through the node it was not sent to
+    finally:
+        await a.close()
+        await b.close()
+    assert done.items is not None
+    assert [i.status for i in done.items] == [C, C, ExecutionStatus.FAILED, C, C, C, C]
+    assert "(gone-too)" in (done.items[2].error or "")
+    assert {i.node for i in done.items[3:]} == {"n1", "n2"}  # both worked the batch
+    assert {i.node for i in done.items[:2]} <= {"n1", "n2"}  # the lost claims ran here
+    assert sum(f.created for f in fakes) == 6  # each item once; the one that ran, never again
