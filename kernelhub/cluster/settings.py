@@ -53,3 +53,16 @@ class ClusterSettings(BaseModel):
     lease_ttl: float = Field(
         10.0, gt=0, description="seconds without a heartbeat before a node counts as lost"
     )
+    checkpoint_export_interval: float | None = Field(
+        30.0,
+        ge=0,
+        description="seconds between copies of a running session's state to the shared "
+        "snapshot storage, the checkpoint another node restores it from if this node is "
+        "lost (a full capture, queued between cells); 0: after every cell; None: never",
+    )
+    adopt_concurrency: int = Field(
+        4, ge=1, description="a lost node's sessions this node restores at once"
+    )
+    drain_concurrency: int = Field(
+        2, ge=1, description="sessions a draining node hibernates at once"
+    )

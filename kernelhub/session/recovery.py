@@ -28,6 +28,7 @@ from typing import Literal
 from kernelhub.config import Settings
 from kernelhub.errors import KernelhubError
 from kernelhub.execution.engine import KernelSession
+from kernelhub.models import NoticeEvent
 from kernelhub.sandbox.base import SandboxBackend
 from kernelhub.session.live import LiveSession, start_kernel
 from kernelhub.session.recorder import Recorder
@@ -115,6 +116,10 @@ class SessionRecovery:
 
     def last(self, session_id: str) -> RecoveryInfo | None:
         return self._last.get(session_id)
+
+    def remember(self, session_id: str, info: RecoveryInfo) -> None:
+        """A recovery made elsewhere (a lost node's session adopted here), for its info."""
+        self._last[session_id] = info
 
     def forget(self, session_id: str) -> None:
         self._deaths.pop(session_id, None)
@@ -212,7 +217,7 @@ class SessionRecovery:
             duration=duration,
             message=message,
         )
-        kernel.notice(message)
+        recovered_notice(kernel, message)
         await self.recorder.phase(live, reason=f"recovered: {reason}")
         await self.recorder.audit(
             AuditEntry(
@@ -248,3 +253,10 @@ async def final_out(dead: KernelSession) -> None:
         if dead.running is None:
             break
         await asyncio.sleep(0.01)
+
+
+def recovered_notice(kernel: KernelSession, message: str) -> None:
+    """The stream's word that the session came back in a fresh sandbox."""
+    kernel.publish(
+        NoticeEvent(execution_id="", seq=kernel.next_seq(), message=message, kind="recovered")
+    )
