@@ -158,7 +158,10 @@ class Adoption:
             try:
                 owner = Principal(name=stored.owner)
                 report = await self.continuity.restore_into(owner, live, kernel, checkpoint.id)
-                after, not_restored, why_empty = report.execution_count, report.failed, None
+                # The kernel's count is the next cell's: the checkpoint is after the one before.
+                count = report.execution_count
+                after = count - 1 if count else checkpoint.metadata.get("execution_count")
+                not_restored, why_empty = report.failed, None
             except KernelhubError as exc:
                 log.warning("session %s: its checkpoint would not load: %s", stored.id, exc)
                 why_empty = f"its checkpoint {checkpoint.id} would not load: {exc}"
@@ -166,19 +169,27 @@ class Adoption:
                 await kernel.close()
                 kernel = await start_kernel(live, self.backend, self.settings.engine, last_seq)
                 self._bind(live, kernel)
+        # The rows of unfinished ones say nothing of whether they ran (statuses are not
+        # written mid-flight): their stored events do.
+        ended = {e.id: e.status for e in await self.store.unfinished_executions(stored.id)}
         executions = await self.store.executions_of(stored.id)
-        reason = f"node {lost_node} was lost while this cell ran; its output and effects are gone"
-        for e in await self.store.unfinished_executions(stored.id):
-            started = await self.store.has_started(e.id)
-            status = ExecutionStatus.FAILED if started else ExecutionStatus.CANCELLED
-            why = (
-                reason
-                if started
-                else f"node {lost_node} was lost before this cell ran; submit it again"
-            )
-            await self.recorder.orphaned(live, e, status, why, kernel.next_seq, state_lost=True)
+        for e in executions:
+            if e.id in ended:
+                started = await self.store.has_started(e.id)
+                ended[e.id] = ExecutionStatus.FAILED if started else ExecutionStatus.CANCELLED
+                why = f"node {lost_node} was lost " + (
+                    "while this cell ran; its output and effects after the last stored event are gone"
+                    if started
+                    else "before this cell ran; submit it again"
+                )
+                await self.recorder.orphaned(
+                    live, e, ended[e.id], why, kernel.next_seq, state_lost=True
+                )
         lost = lost_executions(
-            [(e.id, e.status, e.record.execution_count if e.record else None) for e in executions],
+            [
+                (e.id, ended.get(e.id, e.status), e.record.execution_count if e.record else None)
+                for e in executions
+            ],
             after,
         )
         live.move(Transition.STARTED)

@@ -14,6 +14,7 @@ dropped once the new one is stored.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -48,14 +49,16 @@ class CheckpointExport:
         interval = settings.cluster.checkpoint_export_interval
         self.interval = interval if enabled else None
         self._spawn = spawn
-        self._busy: set[str] = set()
+        self._busy: set[str] = set()  # an exporter task runs for it
+        self._dirty: set[str] = set()  # a cell completed since its last export began
         self._last: dict[str, float] = {}
 
     async def after_cell(
         self, live: LiveSession, kernel: KernelSession, handle: ExecutionHandle
     ) -> None:
-        """The engine's hook after each cell: the session's checkpoint, then maybe an
-        export (a task of its own)."""
+        """The engine's hook after each cell: the session's checkpoint, then an export,
+        now or (within the interval of the last one) once the interval is up; one at a
+        time per session, the state after the latest cell."""
         await self.continuity.checkpoint(live, kernel, handle)
         record = handle.record
         if (
@@ -63,12 +66,28 @@ class CheckpointExport:
             or record is None
             or record.status != ExecutionStatus.COMPLETED
             or live.checkpoint_policy == "off"
-            or live.id in self._busy
-            or time.monotonic() - self._last.get(live.id, -1e9) < self.interval
         ):
             return
-        self._busy.add(live.id)
-        self._spawn(self._export(live, kernel))
+        self._dirty.add(live.id)
+        if live.id not in self._busy:
+            self._busy.add(live.id)
+            self._spawn(self._exporter(live, kernel, self.interval))
+
+    async def _exporter(self, live: LiveSession, kernel: KernelSession, interval: float) -> None:
+        try:
+            while live.id in self._dirty and live.kernel is kernel and kernel.alive:
+                wait = self._last.get(live.id, -interval) + interval - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    continue  # the kernel may be gone by now (hibernated, closed)
+                self._dirty.discard(live.id)
+                self._last[live.id] = time.monotonic()
+                await self._export(live, kernel)
+        finally:
+            self._busy.discard(live.id)
+            if live.kernel is not kernel:  # hibernated, moved, deleted: nothing to keep
+                self._last.pop(live.id, None)
+                self._dirty.discard(live.id)
 
     async def _export(self, live: LiveSession, kernel: KernelSession) -> None:
         owner = Principal(name=live.stored.owner)
@@ -87,9 +106,3 @@ class CheckpointExport:
             log.debug("session %s: checkpoint %s exported", live.id, info.id)
         except KernelhubError as exc:
             log.warning("exporting a checkpoint of session %s failed: %s", live.id, exc)
-        finally:
-            self._busy.discard(live.id)
-            self._last[live.id] = time.monotonic()
-
-    def forget(self, session_id: str) -> None:
-        self._last.pop(session_id, None)
