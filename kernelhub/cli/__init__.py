@@ -255,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = token_sub.add_parser("revoke", help="revoke a token by name")
     revoke.add_argument("name", help="the token's name (see `token list`)")
 
+    node = sub.add_parser("node", help="the cluster's node agents, through the shared store")
+    node_sub = node.add_subparsers(dest="node_command", required=True, metavar="COMMAND")
+    node_sub.add_parser("ls", parents=[as_json], help="list nodes with their heartbeat numbers")
+    for verb, text in (("drain", "move its sessions away (hibernate, wake elsewhere)"),
+                       ("undrain", "let it take sessions again")):  # fmt: skip
+        node_sub.add_parser(verb, help=text).add_argument("id", help="the node's id")
     sub.add_parser(
         "reap", help="remove sandboxes and directories left by a crashed kernelhub on this machine"
     )
@@ -377,6 +383,8 @@ def _dispatch(args: argparse.Namespace, console: Console) -> int:
         return host.image_build(settings, args)
     if command == "token":
         return asyncio.run(host.token(settings, args, console))
+    if command == "node":
+        return asyncio.run(host.nodes(settings, args, console))
     if command == "reap":
         return asyncio.run(host.reap(settings))
     if command == "demo":
