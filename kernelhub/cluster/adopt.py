@@ -247,10 +247,30 @@ class Adoption:
         log.info("session %s (hibernated, no node) is now node %s's", session_id, self.me)
         return live
 
+    async def release_hibernated(self) -> int:
+        """Give up the node's hibernated sessions (``cluster.release_hibernated``): each
+        wakes on its next call wherever placement puts it. Returns how many."""
+        if not (self.enabled and self.settings.cluster.release_hibernated):
+            return 0
+        released = 0
+        for live in list(self.sessions.values()):
+            if live.phase != SessionState.HIBERNATED or live.wake_lock.locked():
+                continue
+            if not await self.store.claim_session(live.id, self.me, None, None):
+                continue  # not ours any more: the fence lets it go
+            if live.phase != SessionState.HIBERNATED or live.wake_lock.locked():
+                # A call is waking it here meanwhile: it stays.
+                await self.store.claim_session(live.id, None, self.me, self._lease())
+                continue
+            await self.let_go(live)
+            released += 1
+        return released
+
     async def let_go(self, live: LiveSession) -> None:
         """Stop holding a session: its sandbox (and standby) stopped, its state directory
         removed, its subscribers closed. The store's rows stay: they are someone else's."""
-        kernel, live.kernel = live.kernel, None  # first: its death watch must not revive it
+        self.sessions.pop(live.id, None)  # first: no new call finds it here
+        kernel, live.kernel = live.kernel, None  # and its death watch must not revive it
         if kernel is not None:
             with contextlib.suppress(KernelhubError):
                 await kernel.close()
@@ -258,7 +278,6 @@ class Adoption:
         with contextlib.suppress(KernelhubError):
             await self.backend.drop_state(live.id)
         await live.fanout.close()
-        self.sessions.pop(live.id, None)
         self.recovery.forget(live.id)
 
     async def fence(self) -> list[str]:

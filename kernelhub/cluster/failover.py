@@ -51,7 +51,7 @@ class Failover:
         self.sweeper = Sweeper(
             store, a.me, interval=c.heartbeat_interval, grace=c.lease_ttl,
             concurrency=c.adopt_concurrency, fence=a.fence, drain=a.drain, adopt=a.adopt,
-            release=a.release,
+            release=a.release, release_hibernated=a.release_hibernated,
         )  # fmt: skip
         self.mine, self.claim_released = a.mine, a.claim_released
         self.after_cell = self.export.after_cell

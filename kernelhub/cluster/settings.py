@@ -60,6 +60,12 @@ class ClusterSettings(BaseModel):
         "snapshot storage, the checkpoint another node restores it from if this node is "
         "lost (a full capture, queued between cells); 0: after every cell; None: never",
     )
+    release_hibernated: bool = Field(
+        True,
+        description="a session hibernated on a node agent gives up its node (and its standby "
+        "sandbox) within a heartbeat interval, so its next call wakes it wherever placement "
+        "puts it; false: it stays its node's and wakes there",
+    )
     adopt_concurrency: int = Field(
         4, ge=1, description="a lost node's sessions this node restores at once"
     )

@@ -10,7 +10,7 @@ move once even when two nodes disagree, and a session its assignee has not taken
 ``grace`` seconds of its node's loss is up for any live node.
 
 :class:`Sweeper` is the loop: fence (stop running what the store no longer gives this
-node), drain (when an operator asked), then sweep.
+node), drain (when an operator asked), give up hibernated sessions, then sweep.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class Sweeper:
         concurrency: int,
         fence: Callable[[], Awaitable[list[str]]],
         drain: Callable[[], Awaitable[int]],
+        release_hibernated: Callable[[], Awaitable[int]],
         adopt: Callable[[StoredSession], Awaitable[bool]],
         release: Callable[[str, str | None], Awaitable[bool]],
     ) -> None:
@@ -101,7 +102,7 @@ class Sweeper:
         self.interval = interval
         self.grace = grace
         self._slots = asyncio.Semaphore(concurrency)
-        self._fence, self._drain = fence, drain
+        self._fence, self._drain, self._release_hibernated = fence, drain, release_hibernated
         self._adopt, self._release = adopt, release
 
     async def run(self) -> None:
@@ -121,6 +122,7 @@ class Sweeper:
         if mine is not None and mine.draining:
             await self._drain()
             return []
+        await self._release_hibernated()
         orphans: list[StoredSession] = []
         for n in nodes:
             if n.id != self.me and not n.alive(now):

@@ -23,6 +23,7 @@ from kernelhub.config import Settings, load_settings
 from kernelhub.models import ExecutionStatus, NoticeEvent, StreamEvent
 from kernelhub.sandbox.backends import make_backend
 from kernelhub.session.manager import SessionManager
+from kernelhub.session.state import SessionState
 from kernelhub.store import open_store
 from kernelhub.store.records import Principal
 from kernelhub.wire import ExecutionCreate, SessionCreate
@@ -245,3 +246,53 @@ async def test_a_drained_nodes_sessions_hibernate_and_wake_on_another(
     assert (status, out) == (ExecutionStatus.COMPLETED, "9.4248\n")
     row = await b.store.get_session(sid)
     assert row is not None and row.node == "b" and len(b.containers(sid)) == 1
+
+
+async def test_a_node_back_from_the_dead_runs_none_of_its_old_sessions(
+    cluster: Callable[..., Any],
+) -> None:
+    # Sweeps by hand; a exports nothing, so b can only start the session empty.
+    (a,) = await cluster("a", heartbeat_interval=3600, checkpoint_export_interval=None)
+    (b,) = await cluster("b", heartbeat_interval=3600)
+    sid = (await a.manager.create(ALICE, SessionCreate())).id
+    await run(a.manager, sid, "w = 1")
+    a.beating = False  # a hangs: no heartbeat, no sweep, its sandbox still running
+    b.manager.failover.sweeper.grace = 0
+    deadline = asyncio.get_running_loop().time() + 30 * UNIT
+    while not await b.manager.failover.sweeper.tick():
+        assert asyncio.get_running_loop().time() < deadline, "b never adopted the session"
+        await asyncio.sleep(0.05)
+    assert len(a.containers(sid)) == 1  # both run it, for now: a has not noticed
+    info = await b.manager.info(ALICE, sid)
+    assert info.recovery is not None and info.recovery.checkpoint_after_cell is None
+    assert "empty (the session had no exported checkpoint)" in info.recovery.message
+    assert (await run(b.manager, sid, "print('w' in dir())"))[1] == "False\n"
+    # a's process ends and starts again (its sandboxes outlived it): before it serves,
+    # the session it lost is not its own, and its sandbox is gone.
+    await a.close()
+    await a.start()
+    assert sid not in a.manager.sessions and a.containers(sid) == []
+    assert (await run(b.manager, sid, "print('still on b')"))[1] == "still on b\n"
+
+
+async def test_hibernated_on_one_node_wakes_on_another(cluster: Callable[..., Any]) -> None:
+    a, b = await cluster("a", "b")
+    sid = (await a.manager.create(ALICE, SessionCreate())).id
+    await run(a.manager, sid, "word = 'hibernated on a'")
+    await exported(a, sid, 1)  # its export done: idle, it hibernates at once
+    live = a.manager.sessions[sid]
+    await a.manager.hibernate(live)
+    assert live.phase == SessionState.HIBERNATED
+
+    async def released() -> bool:
+        row = await b.store.get_session(sid)
+        return row is not None and row.node is None
+
+    deadline = asyncio.get_running_loop().time() + 30 * UNIT
+    while not await released():
+        assert asyncio.get_running_loop().time() < deadline, "a kept its hibernated session"
+        await asyncio.sleep(0.05)
+    assert sid not in a.manager.sessions and a.containers(sid) == []
+    assert (await run(b.manager, sid, "print(word)"))[1] == "hibernated on a\n"
+    row = await b.store.get_session(sid)
+    assert row is not None and row.node == "b"
