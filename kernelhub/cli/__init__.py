@@ -5,6 +5,7 @@ output.py    pure formatting: tables, --json, one-line reasons, events, errors i
 remote.py    exec, sessions new|ls|show|rm|export: a gateway, through the SDK
 host.py      image build, reap, token, demo: this machine
 serve.py     serve: backend choice, kernel image on first use, token after bind
+cluster.py   node, gateway, cluster certs: many machines (issue #24)
 progress.py  the quiet build display (stages, spinner, output folded into a log file)
 """
 
@@ -255,12 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = token_sub.add_parser("revoke", help="revoke a token by name")
     revoke.add_argument("name", help="the token's name (see `token list`)")
 
-    node = sub.add_parser("node", help="the cluster's node agents, through the shared store")
-    node_sub = node.add_subparsers(dest="node_command", required=True, metavar="COMMAND")
-    node_sub.add_parser("ls", parents=[as_json], help="list nodes with their heartbeat numbers")
-    for verb, text in (("drain", "move its sessions away (hibernate, wake elsewhere)"),
-                       ("undrain", "let it take sessions again")):  # fmt: skip
-        node_sub.add_parser(verb, help=text).add_argument("id", help="the node's id")
+    from kernelhub.cli import cluster
+
+    cluster.add_parsers(sub, backend)
     sub.add_parser(
         "reap", help="remove sandboxes and directories left by a crashed kernelhub on this machine"
     )
@@ -377,14 +375,16 @@ def _dispatch(args: argparse.Namespace, console: Console) -> int:
     settings = load_settings(**overrides)
     if command == "serve":
         return _serve(settings, args)
+    if command in ("node", "gateway", "cluster"):
+        from kernelhub.cli import cluster
+
+        return cluster.run(settings, args, console)
     if command == "image" and args.image_command == "build-gateway":
         return host.image_build_gateway(settings, args)
     if command == "image":
         return host.image_build(settings, args)
     if command == "token":
         return asyncio.run(host.token(settings, args, console))
-    if command == "node":
-        return asyncio.run(host.nodes(settings, args, console))
     if command == "reap":
         return asyncio.run(host.reap(settings))
     if command == "demo":

@@ -11,9 +11,12 @@ same :class:`~kernelhub.wire.RecoveryInfo` crash recovery gives: which checkpoin
 executions' effects were lost, which variables did not load, and the lost node.
 
 Fencing: a node that was declared lost and comes back must not run its old sessions
-twice. At start it holds only the rows naming it (the reaper then removes every other
-sandbox it made), and each sweep stops the sandboxes of sessions whose row names
+twice. At start the manager holds only the rows naming it (the reaper then removes every
+other sandbox it made), and each sweep stops the sandboxes of sessions whose row names
 another node now.
+
+Hibernated sessions hold no sandbox: a node agent gives them up (no node), so each wakes
+wherever its next call is placed (``KERNELHUB_CLUSTER__RELEASE_HIBERNATED``).
 
 A collaborator of :class:`~kernelhub.session.manager.SessionManager`, given what it
 needs: the manager's registry of live sessions, ``live`` (a LiveSession for a stored
@@ -115,10 +118,6 @@ class Adoption:
 
     def _lease(self) -> datetime:
         return datetime.now(UTC) + timedelta(seconds=self.settings.cluster.lease_ttl)
-
-    def mine(self, rows: list[StoredSession]) -> list[StoredSession]:
-        """The rows this node holds at start: on a node agent, those naming it."""
-        return [r for r in rows if not self.enabled or r.node == self.me]
 
     def _held_live(self, stored: StoredSession) -> LiveSession:
         live = self._live(stored.model_copy(update={"node": self.me}), Limits(**stored.limits))

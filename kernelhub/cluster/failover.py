@@ -3,9 +3,9 @@ that holds the node's :class:`~kernelhub.cluster.adopt.Adoption`, its checkpoint
 and its sweep loop. On one machine (no ``KERNELHUB_CLUSTER__ADDRESS``) every part is
 inert: the manager holds every row, exports nothing, sweeps nothing.
 
-The manager calls :meth:`Failover.mine` on the rows it re-adopts at start,
-:meth:`claim_released` when a call names a session it does not hold, ``after_cell`` as
-each kernel's hook, and spawns :meth:`run` once started.
+The manager calls ``claim_released`` when a call names a session it does not hold and
+``after_cell`` as each kernel's hook; a node agent runs :meth:`run` as one of its node
+tasks (``kernelhub.cluster.node``), after its first heartbeat.
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ class Failover:
             concurrency=c.adopt_concurrency, fence=a.fence, drain=a.drain, adopt=a.adopt,
             release=a.release, release_hibernated=a.release_hibernated,
         )  # fmt: skip
-        self.mine, self.claim_released = a.mine, a.claim_released
+        self.claim_released = a.claim_released
         self.after_cell = self.export.after_cell
 
     async def run(self) -> None:
-        """The sweep loop, on a node agent only."""
+        """The sweep loop (see :class:`~kernelhub.cluster.sweep.Sweeper`), on a node agent
+        only."""
         if self.adoption.enabled:
             await self.sweeper.run()

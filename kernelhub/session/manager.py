@@ -137,8 +137,11 @@ class SessionManager:
     async def start(self) -> None:
         """Re-adopt sandboxes a previous process left running; report the rest dead;
         remove orphans."""
-        for stored in self.failover.mine(await self.store.list_sessions()):
-            if stored.state == SessionState.DELETED or stored.deleted_at is not None:
+        # A node agent (issue #24) holds only the sessions whose row names it.
+        mine = self.store.node if self.settings.cluster.address is not None else None
+        for stored in await self.store.list_sessions():
+            gone = stored.state == SessionState.DELETED or stored.deleted_at is not None
+            if gone or (mine is not None and stored.node != mine):
                 continue
             limits = Limits(**stored.limits)
             live = self._live(stored, limits)
@@ -186,7 +189,6 @@ class SessionManager:
         self.pool.start()  # after the reap, which would take its sandboxes for orphans
         self._spawn(self.continuity.hibernate_idle(self.sessions.values))
         self._spawn(self.retention.run())
-        self._spawn(self.failover.run())  # node loss and draining, on a node agent
 
     async def _finish_orphaned_executions(
         self, live: LiveSession, last_seq: int, lost: str | None, spooled: CellSalvage | None
@@ -391,12 +393,16 @@ class SessionManager:
             if s.phase not in (SessionState.DEAD, SessionState.DELETED)
         ]
 
+    def load(self) -> tuple[int, int]:
+        """Live sessions and the memory committed to them and the pool (for heartbeats)."""
+        alive = self._alive()
+        return len(alive), sum(s.limits.memory_bytes for s in alive) + self.pool.committed_bytes
+
     def _pool_room(self) -> bool:
         """Whether one more pooled sandbox fits: never at the expense of a session."""
-        alive = self._alive()
-        if len(alive) + self.pool.held >= self.settings.gateway.max_sessions:
+        sessions, committed = self.load()
+        if sessions + self.pool.held >= self.settings.gateway.max_sessions:
             return False
-        committed = sum(s.limits.memory_bytes for s in alive) + self.pool.committed_bytes
         return committed + self.pool.limits.memory_bytes <= self.memory_budget
 
     async def _make_room(self, limits: Limits) -> None:

@@ -66,6 +66,7 @@ class Node:
         self.manager = SessionManager(self.settings, self.backend, self.store)
         await self.manager.start()
         self._tasks.append(asyncio.create_task(self._beat_forever()))
+        self._tasks.append(asyncio.create_task(self.manager.failover.run()))  # a node task
         return self.manager
 
     async def beat(self) -> None:
