@@ -108,6 +108,7 @@ class Node(Process):
             "KERNELHUB_CLUSTER__KEY_FILE": str(cluster.certs / f"node-{self.id}.key"),
         }
         base.mkdir(parents=True)
+        cluster.share_snapshots(base / "data")
         super().__init__(["node", "--no-build"], env, base / "node.log")
 
 
@@ -141,10 +142,23 @@ class Cluster:
             "KERNELHUB_CLUSTER__CA_FILE": str(self.certs / "ca.pem"),
             "KERNELHUB_CLUSTER__HEARTBEAT_INTERVAL": str(HEARTBEAT),
             "KERNELHUB_CLUSTER__LEASE_TTL": str(10 * UNIT),
+            # After every cell: a node killed right after one still has its state exported.
+            "KERNELHUB_CLUSTER__CHECKPOINT_EXPORT_INTERVAL": "0",
         }
         make_certs(self.certs, ["n1", "n2", "n3"], ["ga", "gb", "gc", "bench"], list(NODE_HOSTS))
         self.nodes = [Node(self, i + 1, host) for i, host in enumerate(NODE_HOSTS)]
         self.replicas = [Replica(self, "ga"), Replica(self, "gb")]
+
+    def share_snapshots(self, data_dir: Path) -> None:
+        """Every node's blob directory and snapshot MAC key are one (until object storage
+        with the cluster-wide key is the seam): what one node exports, another restores."""
+        shared = self.root / "shared-snapshots"
+        if not shared.exists():
+            (shared / "snapshots").mkdir(parents=True, mode=0o700)
+            (shared / "snapshot.key").write_bytes(os.urandom(32))
+        data_dir.mkdir(parents=True)
+        (data_dir / "snapshots").symlink_to(shared / "snapshots", target_is_directory=True)
+        (data_dir / "snapshot.key").symlink_to(shared / "snapshot.key")
 
     def gateway_tls(self) -> ssl.SSLContext:
         return tls_context(self.certs, "gateway-gc")
