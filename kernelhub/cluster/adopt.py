@@ -225,8 +225,9 @@ class Adoption:
     # -- sessions that wake anywhere -------------------------------------------------------
 
     async def claim_released(self, principal: Principal, session_id: str) -> LiveSession | None:
-        """A hibernated session that names no node (drained, or of a lost node) becomes
-        this node's on its first call here; it then wakes as any hibernated session."""
+        """A hibernated session that names no node (drained, released, or of a lost node)
+        becomes this node's on its first call here (a delete too: its snapshot goes with
+        it); it then wakes as any hibernated session."""
         if not self.enabled or session_id in self.sessions:
             return None
         row = await self.store.get_session(session_id)

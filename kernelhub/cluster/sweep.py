@@ -106,11 +106,16 @@ class Sweeper:
         self._adopt, self._release = adopt, release
 
     async def run(self) -> None:
+        task = asyncio.current_task()
         while True:
             try:
                 await self.tick()
             except Exception:  # the store unreachable for a while: try again next time
                 log.exception("the node-loss sweep failed; trying again")
+            if task is not None and task.cancelling():
+                # Stopping, and a callee swallowed the cancel (stopping a standby sandbox
+                # suppresses everything): end here rather than sweep on forever.
+                raise asyncio.CancelledError
             await asyncio.sleep(self.interval)
 
     async def tick(self, now: datetime | None = None) -> list[Take]:

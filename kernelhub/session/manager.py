@@ -524,7 +524,9 @@ class SessionManager:
         (KERNELHUB_STORAGE__RETENTION), unless ``purge``: then they go now, and a session
         that ended earlier (deleted, or dead before a restart) can be purged this way too."""
         purge = purge or self.settings.storage.retention == 0
-        live = self._held(principal, session_id)
+        live = self._held(principal, session_id) or await self.failover.claim_released(
+            principal, session_id
+        )
         if live is None:
             # Dead before a restart: nothing left to stop, but the owner may still remove it.
             stored = await self._gone(principal, session_id)

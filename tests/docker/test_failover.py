@@ -297,3 +297,28 @@ async def test_hibernated_on_one_node_wakes_on_another(cluster: Callable[..., An
     assert (await run(b.manager, sid, "print(word)"))[1] == "hibernated on a\n"
     row = await b.store.get_session(sid)
     assert row is not None and row.node == "b"
+
+
+async def test_a_released_session_deleted_on_another_node_takes_its_snapshot_along(
+    cluster: Callable[..., Any], shared: Path
+) -> None:
+    a, b = await cluster("a", "b")
+    sid = (await a.manager.create(ALICE, SessionCreate())).id
+    await run(a.manager, sid, "big = 'x' * 1000")
+    await exported(a, sid, 1)
+    await a.manager.hibernate(a.manager.sessions[sid])
+
+    async def released() -> str | None:
+        row = await b.store.get_session(sid)
+        return row.hibernation if row is not None and row.node is None else None
+
+    deadline = asyncio.get_running_loop().time() + 30 * UNIT
+    while (snapshot := await released()) is None:
+        assert asyncio.get_running_loop().time() < deadline, "a kept its hibernated session"
+        await asyncio.sleep(0.05)
+    assert (shared / "snapshots" / f"{snapshot}.blob").is_file()
+    await b.manager.delete(ALICE, sid)
+    assert await b.store.get_snapshot(snapshot) is None
+    assert not (shared / "snapshots" / f"{snapshot}.blob").exists()
+    row = await b.store.get_session(sid)
+    assert row is not None and row.deleted_at is not None
