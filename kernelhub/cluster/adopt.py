@@ -40,7 +40,7 @@ from kernelhub.sandbox.base import SandboxBackend
 from kernelhub.session.continuity import Continuity
 from kernelhub.session.live import LiveSession, start_kernel
 from kernelhub.session.recorder import Recorder
-from kernelhub.session.recovery import SessionRecovery, recovered_notice
+from kernelhub.session.recovery import SessionRecovery, describe, recovered_notice
 from kernelhub.session.state import SessionState, Transition
 from kernelhub.store.base import Store
 from kernelhub.store.records import AuditEntry, Principal, StoredSession, StoredSnapshot
@@ -49,28 +49,6 @@ from kernelhub.wire import RecoveryInfo
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KIND = "checkpoint"  # a snapshot row's metadata["kind"] for exported checkpoints
-
-
-def describe_loss(
-    node: str,
-    here: str,
-    duration: float,
-    after: int | None,
-    lost: list[str],
-    not_restored: dict[str, str],
-    why_empty: str | None,
-) -> str:
-    """The notice: which node was lost, what came back, what was lost."""
-    text = f"node {node} was lost; the session was recovered on node {here} in {duration:.2f} s"
-    if after is not None:
-        text += f" from the checkpoint after cell {after} (variables and /workspace as then)"
-        if not_restored:
-            text += f"; not restored: {not_restored}"
-    else:
-        text += f", empty ({why_empty}): every variable, import and file of /workspace is gone"
-    if lost:
-        text += f"; the effects of these executions were lost: {', '.join(lost)}"
-    return text
 
 
 def lost_executions(
@@ -193,7 +171,10 @@ class Adoption:
         )
         live.move(Transition.STARTED)
         duration = time.monotonic() - t0
-        message = describe_loss(lost_node, self.me, duration, after, lost, not_restored, why_empty)
+        message = describe(
+            "", duration, after, lost, not_restored, why_empty,
+            cause=f"node {lost_node} was lost", where=f"on node {self.me}, in a fresh sandbox",
+        )  # fmt: skip
         self.recovery.remember(
             stored.id,
             RecoveryInfo(

@@ -73,11 +73,16 @@ def describe(
     lost: list[str],
     not_restored: dict[str, str],
     why_empty: str | None,
+    *,
+    cause: str | None = None,
+    where: str = "in a fresh sandbox",
 ) -> str:
-    """The notice: what happened, what came back, what was lost."""
+    """The notice: what happened (``cause``; by default, the kernel died of ``reason``),
+    what came back ``where``, what was lost."""
+    cause = cause or f"the kernel died ({reason})"
     if after is not None:
         text = (
-            f"the kernel died ({reason}); recovered in {duration:.2f} s in a fresh sandbox "
+            f"{cause}; recovered in {duration:.2f} s {where} "
             f"from the checkpoint after cell {after} (variables and /workspace as they were then)"
         )
         if lost:
@@ -85,7 +90,7 @@ def describe(
         if not_restored:
             text += f"; not restored: {not_restored}"
         return text
-    text = f"the kernel died ({reason}); restarted empty in {duration:.2f} s in a fresh sandbox"
+    text = f"{cause}; restarted empty in {duration:.2f} s {where}"
     text += f" ({why_empty})" if why_empty else ""
     text += ": every variable, import and file of /workspace is gone"
     if lost:

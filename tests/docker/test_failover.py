@@ -181,7 +181,8 @@ async def test_a_lost_nodes_session_comes_back_on_a_survivor_with_its_state(
     assert info.recovery is not None and info.recovery.lost_node == "a"
     assert info.recovery.checkpoint_after_cell == 2
     assert info.recovery.lost == [long_row.id]
-    assert "node a was lost" in info.recovery.message
+    assert info.recovery.message.startswith("node a was lost; recovered in ")
+    assert "on node b, in a fresh sandbox from the checkpoint after cell 2" in info.recovery.message
     row = await b.store.get_session(sid)
     assert row is not None and row.node == "b"
     lost_cell = await b.store.get_execution(long_row.id)
@@ -266,7 +267,9 @@ async def test_a_node_back_from_the_dead_runs_none_of_its_old_sessions(
     assert len(a.containers(sid)) == 1  # both run it, for now: a has not noticed
     info = await b.manager.info(ALICE, sid)
     assert info.recovery is not None and info.recovery.checkpoint_after_cell is None
-    assert "empty (the session had no exported checkpoint)" in info.recovery.message
+    message = info.recovery.message
+    assert message.startswith("node a was lost; restarted empty in ") and "on node b" in message
+    assert "(the session had no exported checkpoint)" in message
     assert (await run(b.manager, sid, "print('w' in dir())"))[1] == "False\n"
     # a's process ends and starts again (its sandboxes outlived it): before it serves,
     # the session it lost is not its own, and its sandbox is gone.

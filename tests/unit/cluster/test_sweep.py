@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from kernelhub.cluster.adopt import describe_loss, lost_executions
+from kernelhub.cluster.adopt import lost_executions
 from kernelhub.cluster.models import NodeInfo
 from kernelhub.cluster.sweep import Take, plan
 from kernelhub.models import ExecutionStatus
@@ -98,11 +98,3 @@ def test_lost_executions_are_those_after_the_checkpoint() -> None:
             ("e4", S.RUNNING, None), ("e5", S.QUEUED, None), ("e6", S.CANCELLED, None)]  # fmt: skip
     assert lost_executions(rows, after=2) == ["e3", "e4"]
     assert lost_executions(rows, after=None) == ["e1", "e2", "e3", "e4"]
-
-
-def test_the_notice_names_the_node_the_checkpoint_and_the_losses() -> None:
-    text = describe_loss("a", "b", 1.234, 2, ["e3"], {"conn": "unpicklable"}, None)
-    assert "node a was lost" in text and "on node b in 1.23 s" in text
-    assert "checkpoint after cell 2" in text and "e3" in text and "conn" in text
-    empty = describe_loss("a", "b", 0.5, None, ["e1"], {}, "no exported checkpoint")
-    assert "empty (no exported checkpoint)" in empty and "e1" in empty
