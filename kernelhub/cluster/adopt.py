@@ -120,14 +120,7 @@ class Adoption:
         self.sessions[stored.id] = live
         last_seq = await self.store.last_seq(stored.id)
         checkpoint = await self.last_checkpoint(stored.owner, stored.id)
-        try:
-            kernel = await start_kernel(live, self.backend, self.settings.engine, last_seq)
-        except KernelhubError as exc:
-            live.move(Transition.FAILED)
-            live.reason = f"node {lost_node} was lost and a fresh sandbox failed to start: {exc}"
-            await self.recorder.phase(live, reason=live.reason)
-            raise
-        self._bind(live, kernel)
+        kernel = await self._fresh(live, last_seq, lost_node)
         after: int | None = None
         not_restored: dict[str, str] = {}
         why_empty: str | None = "the session had no exported checkpoint"
@@ -144,8 +137,7 @@ class Adoption:
                 why_empty = f"its checkpoint {checkpoint.id} would not load: {exc}"
                 live.kernel = None
                 await kernel.close()
-                kernel = await start_kernel(live, self.backend, self.settings.engine, last_seq)
-                self._bind(live, kernel)
+                kernel = await self._fresh(live, last_seq, lost_node)
         # The rows of unfinished ones say nothing of whether they ran (statuses are not
         # written mid-flight): their stored events do.
         ended = {e.id: e.status for e in await self.store.unfinished_executions(stored.id)}
@@ -193,6 +185,18 @@ class Adoption:
         )  # fmt: skip
         log.info("adopted session %s of lost node %s in %.2f s", stored.id, lost_node, duration)
         return True
+
+    async def _fresh(self, live: LiveSession, last_seq: int, lost_node: str) -> KernelSession:
+        """A sandbox for the adopted session, or the session ends dead saying why."""
+        try:
+            kernel = await start_kernel(live, self.backend, self.settings.engine, last_seq)
+        except KernelhubError as exc:
+            live.move(Transition.FAILED)
+            live.reason = f"node {lost_node} was lost and a fresh sandbox failed to start: {exc}"
+            await self.recorder.phase(live, reason=live.reason)
+            raise
+        self._bind(live, kernel)
+        return kernel
 
     async def last_checkpoint(self, owner: str, session_id: str) -> StoredSnapshot | None:
         """The session's newest exported checkpoint, if any."""

@@ -325,3 +325,22 @@ async def test_a_released_session_deleted_on_another_node_takes_its_snapshot_alo
     assert not (shared / "snapshots" / f"{snapshot}.blob").exists()
     row = await b.store.get_session(sid)
     assert row is not None and row.deleted_at is not None
+
+
+async def test_a_tampered_export_is_refused_and_the_session_starts_empty(
+    cluster: Callable[..., Any], shared: Path
+) -> None:
+    a, b = await cluster("a", "b")
+    sid = (await a.manager.create(ALICE, SessionCreate())).id
+    await run(a.manager, sid, "secret = 7")
+    await exported(a, sid, 1)
+    snap = await a.manager.failover.adoption.last_checkpoint(ALICE.name, sid)
+    assert snap is not None
+    with open(shared / "snapshots" / f"{snap.id}.blob", "ab") as blob:
+        blob.write(b"\0")  # edited in the shared storage: its MAC no longer matches
+    a.beating = False
+    await eventually(lambda: sid in b.manager.sessions, 30)
+    assert (await run(b.manager, sid, "print('secret' in dir())"))[1] == "False\n"
+    info = await b.manager.info(ALICE, sid)
+    assert info.recovery is not None and info.recovery.checkpoint_after_cell is None
+    assert f"its checkpoint {snap.id} would not load" in info.recovery.message
