@@ -94,7 +94,7 @@ class CheckpointExport:
         try:
             info = await self.continuity.capture(
                 owner, live, kernel, None, kind=CHECKPOINT_KIND,
-                timeout=self.settings.gateway.checkpoint_timeout,
+                timeout=self.settings.gateway.snapshot_timeout,  # a full capture, as a snapshot
             )  # fmt: skip
             for s in await self.store.list_snapshots(live.stored.owner):
                 if (
