@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -145,17 +145,25 @@ async def run(manager: SessionManager, sid: str, code: str) -> tuple[ExecutionSt
     return record.status, out
 
 
+async def until(what: str, timeout: float, check: Callable[[], Awaitable[Any]]) -> Any:
+    """Poll ``check`` until it returns something truthy (returned), failing after
+    ``timeout`` × UNIT seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout * UNIT
+    while not (found := await check()):
+        assert asyncio.get_running_loop().time() < deadline, f"{what} within {timeout * UNIT:g} s"
+        await asyncio.sleep(0.05)
+    return found
+
+
 async def exported(node: Node, sid: str, after_cell: int) -> None:
     """Wait until the session's checkpoint after ``after_cell`` is in shared storage."""
-    adoption = node.manager.failover.adoption
-    deadline = asyncio.get_running_loop().time() + 60 * UNIT
-    while True:
-        snap = await adoption.last_checkpoint(ALICE.name, sid)
+
+    async def done() -> bool:
+        snap = await node.manager.failover.adoption.last_checkpoint(ALICE.name, sid)
         # The kernel's count is the next cell's number.
-        if snap is not None and (snap.metadata.get("execution_count") or 0) > after_cell:
-            return
-        assert asyncio.get_running_loop().time() < deadline, "no checkpoint was exported"
-        await asyncio.sleep(0.05)
+        return snap is not None and (snap.metadata.get("execution_count") or 0) > after_cell
+
+    await until("a checkpoint exported", 60, done)
 
 
 async def test_a_lost_nodes_session_comes_back_on_a_survivor_with_its_state(
@@ -209,10 +217,12 @@ async def test_two_sweepers_racing_take_each_session_once(cluster: Callable[...,
         await run(a.manager, sid, f"z = {sid!r}")
         await exported(a, sid, 1)
     a.beating = False
-    deadline = asyncio.get_running_loop().time() + 30 * UNIT
-    while (row := await b.store.get_node("a")) is not None and row.alive(datetime.now(UTC)):
-        assert asyncio.get_running_loop().time() < deadline, "a's lease never ran out"
-        await asyncio.sleep(0.05)
+
+    async def lost() -> bool:
+        row = await b.store.get_node("a")
+        return row is not None and not row.alive(datetime.now(UTC))
+
+    await until("a's lease ran out", 30, lost)
     for node in (b, c):
         node.manager.failover.sweeper.grace = 0
     took_b, took_c = await asyncio.gather(
@@ -238,10 +248,7 @@ async def test_a_drained_nodes_sessions_hibernate_and_wake_on_another(
         row = await a.store.get_session(sid)
         return row is not None and row.node is None and row.state == "hibernated"
 
-    deadline = asyncio.get_running_loop().time() + 60 * UNIT
-    while not await released():
-        assert asyncio.get_running_loop().time() < deadline, "the drain did not move it"
-        await asyncio.sleep(0.05)
+    await until("the drain moved it", 60, released)
     assert sid not in a.manager.sessions and a.containers(sid) == []
     # Its next call, placed on b, wakes it there with its state.
     status, out = await run(b.manager, sid, "print(round(sum(v), 4))")
@@ -260,10 +267,7 @@ async def test_a_node_back_from_the_dead_runs_none_of_its_old_sessions(
     await run(a.manager, sid, "w = 1")
     a.beating = False  # a hangs: no heartbeat, no sweep, its sandbox still running
     b.manager.failover.sweeper.grace = 0
-    deadline = asyncio.get_running_loop().time() + 30 * UNIT
-    while not await b.manager.failover.sweeper.tick():
-        assert asyncio.get_running_loop().time() < deadline, "b never adopted the session"
-        await asyncio.sleep(0.05)
+    await until("b adopted the session", 30, b.manager.failover.sweeper.tick)
     assert len(a.containers(sid)) == 1  # both run it, for now: a has not noticed
     info = await b.manager.info(ALICE, sid)
     assert info.recovery is not None and info.recovery.checkpoint_after_cell is None
@@ -292,10 +296,7 @@ async def test_hibernated_on_one_node_wakes_on_another(cluster: Callable[..., An
         row = await b.store.get_session(sid)
         return row is not None and row.node is None
 
-    deadline = asyncio.get_running_loop().time() + 30 * UNIT
-    while not await released():
-        assert asyncio.get_running_loop().time() < deadline, "a kept its hibernated session"
-        await asyncio.sleep(0.05)
+    await until("a gave up its hibernated session", 30, released)
     assert sid not in a.manager.sessions and a.containers(sid) == []
     assert (await run(b.manager, sid, "print(word)"))[1] == "hibernated on a\n"
     row = await b.store.get_session(sid)
@@ -315,10 +316,7 @@ async def test_a_released_session_deleted_on_another_node_takes_its_snapshot_alo
         row = await b.store.get_session(sid)
         return row.hibernation if row is not None and row.node is None else None
 
-    deadline = asyncio.get_running_loop().time() + 30 * UNIT
-    while (snapshot := await released()) is None:
-        assert asyncio.get_running_loop().time() < deadline, "a kept its hibernated session"
-        await asyncio.sleep(0.05)
+    snapshot = await until("a gave up its hibernated session", 30, released)
     assert (shared / "snapshots" / f"{snapshot}.blob").is_file()
     await b.manager.delete(ALICE, sid)
     assert await b.store.get_snapshot(snapshot) is None
