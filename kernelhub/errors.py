@@ -22,6 +22,8 @@ zmq, OS) are translated where they enter, with ``raise ... from exc``.
     ├── NotFoundError            no such session/execution — or it belongs to someone else
     ├── AuthError                missing, unknown or revoked token; or not an admin
     │   └── ForbiddenError       not allowed from here (a browser origin off the allowlist)
+    ├── NodeUnavailableError     a cluster's node agent cannot be reached, or no node can
+    │                            take a new session; names the node or the reason
     ├── StoreError               the store failed, or is closed or unreachable (retry later)
     │   └── StoreConflictError   a name or key that must be unique is taken; names it
     ├── EgressRefusedError       the egress proxy will not carry a sandbox's request; the
@@ -141,6 +143,17 @@ class AuthError(KernelhubError):
 
 class ForbiddenError(AuthError):
     """Whoever the caller is, the request is not allowed (e.g. from this browser origin)."""
+
+
+class NodeUnavailableError(KernelhubError):
+    """A gateway replica (``kernelhub gateway``) cannot reach the node agent that owns a
+    session, or placement found no live, undrained node to take a new one. ``node`` is
+    the node's id, None when no node was chosen. Retry later: nodes come back, or their
+    sessions move."""
+
+    def __init__(self, message: str, *, node: str | None = None) -> None:
+        super().__init__(message)
+        self.node = node
 
 
 class StoreError(KernelhubError):

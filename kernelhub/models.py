@@ -191,6 +191,12 @@ class NoticeEvent(_Event):
 
     type: Literal["notice"] = "notice"
     message: str
+    kind: Literal["recovered"] | None = Field(
+        None,
+        description="for programs: ``recovered`` when the session came back in a fresh "
+        "sandbox (its kernel died, or its node was lost); its info's ``recovery`` says what "
+        "was lost",
+    )
 
 
 class ExecutionRecord(BaseModel):

@@ -116,6 +116,9 @@ class RecoveryInfo(BaseModel):
     )
     duration: float = Field(description="seconds from the death to the ready kernel")
     message: str = Field(description="the same, in words (also sent as a notice event)")
+    lost_node: str | None = Field(
+        None, description="the node whose loss this was (issue #24); None: the kernel died"
+    )
 
 
 class SessionInfo(BaseModel):

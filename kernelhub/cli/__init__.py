@@ -5,6 +5,7 @@ output.py    pure formatting: tables, --json, one-line reasons, events, errors i
 remote.py    exec, sessions new|ls|show|rm|export: a gateway, through the SDK
 host.py      image build, reap, token, demo: this machine
 serve.py     serve: backend choice, kernel image on first use, token after bind
+cluster.py   node, gateway, cluster certs: many machines (issue #24)
 progress.py  the quiet build display (stages, spinner, output folded into a log file)
 """
 
@@ -255,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = token_sub.add_parser("revoke", help="revoke a token by name")
     revoke.add_argument("name", help="the token's name (see `token list`)")
 
+    from kernelhub.cli import cluster
+
+    cluster.add_parsers(sub, backend)
     sub.add_parser(
         "reap", help="remove sandboxes and directories left by a crashed kernelhub on this machine"
     )
@@ -371,6 +375,10 @@ def _dispatch(args: argparse.Namespace, console: Console) -> int:
     settings = load_settings(**overrides)
     if command == "serve":
         return _serve(settings, args)
+    if command in ("node", "gateway", "cluster"):
+        from kernelhub.cli import cluster
+
+        return cluster.run(settings, args, console)
     if command == "image" and args.image_command == "build-gateway":
         return host.image_build_gateway(settings, args)
     if command == "image":

@@ -9,9 +9,10 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kernelhub.cli.output import Console, to_json, tokens_table
+from kernelhub.cli.output import Console, nodes_table, to_json, tokens_table
 from kernelhub.cli.progress import BuildDisplay
 from kernelhub.config import Settings
+from kernelhub.store.records import AuditEntry
 
 if TYPE_CHECKING:
     import docker
@@ -123,6 +124,32 @@ async def reap(settings: Settings) -> int:
         lock.release()
     print(f"removed {removed} orphaned sandbox(es)")
     return 0
+
+
+async def nodes(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    """``kernelhub node ls|drain|undrain``: on the store every node agent shares."""
+    from datetime import UTC, datetime
+
+    from kernelhub.store import open_store
+
+    store = await open_store(settings)
+    try:
+        if args.node_command == "ls":
+            found = await store.list_nodes()
+            console.say(to_json(found) if args.json else nodes_table(found, datetime.now(UTC)))
+            return 0
+        draining = args.node_command == "drain"
+        if not await store.set_draining(args.id, draining):
+            console.say(f"kernelhub: no node {args.id!r}; `kernelhub node ls` lists them", err=True)
+            return 1
+        await store.audit(
+            AuditEntry(principal=None, action=f"admin.{args.node_command}", client="cli",
+                       detail={"node": args.id})
+        )  # fmt: skip
+        console.say(f"{args.id}: {'draining' if draining else 'takes sessions'}")
+        return 0
+    finally:
+        await store.close()
 
 
 async def token(settings: Settings, args: argparse.Namespace, console: Console) -> int:

@@ -208,6 +208,27 @@ def session_detail(info: SessionInfo) -> str:
     return text
 
 
+def nodes_table(nodes: Sequence[Any], now: datetime) -> str:
+    """``kernelhub node ls``: each node's last heartbeat and what it reported."""
+    if not nodes:
+        return "no nodes (none has beaten into this store)"
+    return table(
+        ("ID", "STATE", "HEARTBEAT", "SESSIONS", "FREE MEMORY", "LOAD", "ADDRESS"),
+        (
+            (
+                n.id,
+                ("lost" if not n.alive(now) else "up") + (", draining" if n.draining else ""),
+                f"{(now - n.heartbeat_at).total_seconds():.1f} s ago",
+                str(n.sessions),
+                f"{n.memory_free_bytes / 2**30:.1f} GiB",
+                f"{n.cpu_load:.2f}",
+                n.address,
+            )
+            for n in nodes
+        ),
+    )
+
+
 def tokens_table(tokens: Sequence[Any]) -> str:
     """``kernelhub token list`` (names and roles, never secrets)."""
     if not tokens:

@@ -15,7 +15,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,8 +150,16 @@ def _short(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------- serve
 
 
-def serve(settings: Settings, *, build: bool = True) -> int:
-    """Run the gateway in the foreground until interrupted; the exit status."""
+def serve(
+    settings: Settings,
+    *,
+    build: bool = True,
+    app_factory: Callable[[Settings, Any], Any] | None = None,
+    tls: dict[str, Any] | None = None,
+) -> int:
+    """Run the gateway in the foreground until interrupted; the exit status. A node agent
+    (``kernelhub node``) is the same with its own ``app_factory(settings, lock)`` and
+    ``tls`` (uvicorn's ``ssl_*`` options: mutual TLS)."""
     from kernelhub.datadir import DataDirLock
     from kernelhub.gateway.app import create_app
     from kernelhub.sandbox.local import bwrap_path
@@ -172,7 +180,8 @@ def serve(settings: Settings, *, build: bool = True) -> int:
         settings = settings.model_copy(update={"backend": choice.backend})
         if choice.backend == "docker":
             ensure_image(settings, build=build)
-        return asyncio.run(run_gateway(settings, sock, lambda s: create_app(s, data_dir_lock=lock)))
+        factory = app_factory or (lambda s, lock: create_app(s, data_dir_lock=lock))
+        return asyncio.run(run_gateway(settings, sock, lambda s: factory(s, lock), tls=tls))
 
 
 def ensure_image(settings: Settings, *, build: bool) -> None:
@@ -224,8 +233,9 @@ class _StartupWatch:
         return self.error is None
 
 
-def uvicorn_config(settings: Settings, app: Any) -> Any:
-    """The server's settings (a seam for timeouts and limits)."""
+def uvicorn_config(settings: Settings, app: Any, tls: dict[str, Any] | None = None) -> Any:
+    """The server's settings (a seam for timeouts and limits); ``tls``: uvicorn's
+    ``ssl_*`` options."""
     import uvicorn
 
     from kernelhub.gateway.connections import fit_descriptor_limit, http_protocol
@@ -244,6 +254,7 @@ def uvicorn_config(settings: Settings, app: Any) -> Any:
         ws=websocket_protocol(gateway.stream_stall_timeout, gateway.stream_buffer_bytes),
         http=http_protocol(connections, gateway.header_timeout, gateway.body_timeout),
         limit_concurrency=connections,
+        **(tls or {}),
     )
 
 
@@ -264,7 +275,12 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 async def run_gateway(
-    settings: Settings, sock: socket.socket, app_factory: Callable[[Settings], Any] | None = None
+    settings: Settings,
+    sock: socket.socket,
+    app_factory: Callable[[Settings], Any] | None = None,
+    *,
+    tls: dict[str, Any] | None = None,
+    announce: Callable[[], Awaitable[None]] | None = None,
 ) -> int:
     """Serve ``app_factory(settings)`` (the gateway app by default) on ``sock`` until
     stopped. A kernelhub error in the app's startup is raised as itself, not logged with
@@ -282,10 +298,10 @@ async def run_gateway(
             # ``started``: the lifespan (backend, store, manager) is up and the socket is
             # listening. Only then does the gateway really serve, and a token is worth making.
             if self.started:
-                await _announce(settings)
+                await (announce() if announce is not None else _announce(settings, tls))
 
     watch = _StartupWatch(app_factory(settings))
-    server = Server(uvicorn_config(settings, watch))
+    server = Server(uvicorn_config(settings, watch, tls))
     logging.getLogger("uvicorn.error").addFilter(watch.filter)
     with contextlib.suppress(SystemExit):  # uvicorn's way out of a failed startup
         await server.serve(sockets=[sock])
@@ -296,10 +312,13 @@ async def run_gateway(
     return 0
 
 
-async def _announce(settings: Settings) -> None:
+async def _announce(settings: Settings, tls: dict[str, Any] | None = None) -> None:
     gw = settings.gateway
-    print(f"kernelhub gateway on http://{gw.host}:{gw.port} (data in {settings.data_dir})")
-    print(f"review page: http://{gw.host}:{gw.port}/ (sign in with a token)")
+    if tls:  # a node agent: its clients are the cluster's gateways
+        print(f"kernelhub node {settings.store.node} on https://{gw.host}:{gw.port} (mutual TLS)")
+    else:
+        print(f"kernelhub gateway on http://{gw.host}:{gw.port} (data in {settings.data_dir})")
+        print(f"review page: http://{gw.host}:{gw.port}/ (sign in with a token)")
     first = await bootstrap_token(settings)
     if first:
         print(f"no tokens existed; created admin token 'admin' (shown once): {first}")

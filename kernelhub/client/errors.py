@@ -178,6 +178,7 @@ _BY_KIND: dict[str, type[ApiError]] = {
     "backend_unavailable": ServerError,
     "sandbox_failed": ServerError,
     "store_unavailable": ServerError,
+    "node_unavailable": ServerError,
     "misconfigured": ServerError,
     "internal": ServerError,
 }

@@ -65,3 +65,22 @@ class ClusterSettings(BaseModel):
     lease_ttl: float = Field(
         10.0, gt=0, description="seconds without a heartbeat before a node counts as lost"
     )
+    checkpoint_export_interval: float | None = Field(
+        30.0,
+        ge=0,
+        description="seconds between copies of a running session's state to the shared "
+        "snapshot storage, the checkpoint another node restores it from if this node is "
+        "lost (a full capture, queued between cells); 0: after every cell; None: never",
+    )
+    release_hibernated: bool = Field(
+        True,
+        description="a session hibernated on a node agent gives up its node (and its standby "
+        "sandbox) within a heartbeat interval, so its next call wakes it wherever placement "
+        "puts it; false: it stays its node's and wakes there",
+    )
+    adopt_concurrency: int = Field(
+        4, ge=1, description="a lost node's sessions this node restores at once"
+    )
+    drain_concurrency: int = Field(
+        2, ge=1, description="sessions a draining node hibernates at once"
+    )

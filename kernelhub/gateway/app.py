@@ -25,6 +25,7 @@ from kernelhub.gateway import (
     errors,
     jupyter_api,
     jupyter_channels,
+    nodes,
     openapi,
     routes,
     stream,
@@ -191,6 +192,7 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
     errors.install(app)
     openapi.install(app)
     app.include_router(routes.router)
+    app.include_router(nodes.router)  # the cluster's node agents (admin)
     app.include_router(stream.router)
     e2b.install(app)
     app.include_router(jupyter_api.router)  # Jupyter Server's /api, for Jupyter's own clients

@@ -26,6 +26,7 @@ from kernelhub.errors import (
     InvalidRequestError,
     KernelhubError,
     MediaTypeError,
+    NodeUnavailableError,
     NotFoundError,
     QuotaError,
     SandboxError,
@@ -57,6 +58,7 @@ STATUS_TABLE: list[tuple[type[KernelhubError], int, str]] = [
     (StoreConflictError, 409, "conflict"),
     # The store closed (shutdown) or its server went away: the request may work later.
     (StoreError, 503, "store_unavailable"),
+    (NodeUnavailableError, 503, "node_unavailable"),
     (ImageError, 503, "image_unavailable"),
     (BackendUnavailableError, 503, "backend_unavailable"),
     (SandboxError, 503, "sandbox_failed"),

@@ -300,7 +300,7 @@ class Continuity:
             base = live.checkpoints[-1][1] if live.checkpoints else None
             kept = f"hib-{uuid.uuid4().hex[:12]}"
             try:
-                info = await self._capture(
+                info = await self.capture(
                     owner,
                     live,
                     kernel,
@@ -406,11 +406,9 @@ class Continuity:
         """Capture the namespace and /workspace inside the sandbox, move the result out as
         an opaque blob, bind it to its owner with a MAC. The host never opens it."""
         timeout = self.settings.gateway.snapshot_timeout
-        return await self._capture(
-            principal, live, kernel, client, kind="snapshot", timeout=timeout
-        )
+        return await self.capture(principal, live, kernel, client, kind="snapshot", timeout=timeout)
 
-    async def _capture(
+    async def capture(
         self,
         principal: Principal,
         live: LiveSession,
@@ -497,8 +495,8 @@ class Continuity:
             await kernel.call(calls.remove(name), {}, timeout=60)
 
     async def snapshots(self, principal: Principal) -> list[SnapshotInfo]:
-        stored = await self.snapshots_store.list_snapshots(principal.name)
-        return [_snapshot_info(s) for s in stored if s.metadata.get("kind") != "hibernation"]
+        mine = await self.snapshots_store.list_snapshots(principal.name)
+        return [_snapshot_info(s) for s in mine if s.metadata.get("kind") == "snapshot"]
 
     async def get_snapshot(self, principal: Principal, snapshot_id: str) -> StoredSnapshot:
         snap = await self.snapshots_store.get_snapshot(snapshot_id)

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 from kernelhub.config import EngineSettings, Limits
 from kernelhub.execution.engine import KernelSession
-from kernelhub.models import ExecutionStatus
+from kernelhub.models import Event, ExecutionStatus
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session import state as machine
 from kernelhub.session.fanout import SessionFanout
 from kernelhub.session.state import Operation, SessionState, Transition, Verdict
-from kernelhub.store.records import Principal, StoredSession
-from kernelhub.wire import SessionInfo
+from kernelhub.store.records import Principal, StoredExecution, StoredSession
+from kernelhub.wire import ExecutionInfo, SessionInfo
 
 
 @dataclass
@@ -176,3 +176,16 @@ async def start_kernel(
         session_id=live.id, owner=live.stored.owner, limits=live.limits, runtime=live.stored.runtime
     )
     return await KernelSession.start(backend, spec, engine=engine, first_seq=first_seq)
+
+
+def execution_info(row: StoredExecution, events: list[Event] | None) -> ExecutionInfo:
+    """An execution as clients get it (REST, batch results)."""
+    return ExecutionInfo(
+        id=row.id,
+        session_id=row.session_id,
+        status=row.status,
+        code=row.code,
+        created_at=row.created_at,
+        record=row.record,
+        events=events,
+    )

@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from kernelhub import profiles
+from kernelhub.cluster.failover import Failover
 from kernelhub.config import Limits, Settings
 from kernelhub.egress.sessions import EgressSessions
 from kernelhub.errors import (
@@ -37,10 +38,10 @@ from kernelhub.errors import (
     QuotaError,
 )
 from kernelhub.execution.engine import KernelSession
-from kernelhub.models import Event, ExecutionStatus
+from kernelhub.models import ExecutionStatus
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.continuity import Continuity
-from kernelhub.session.live import LiveSession, held, in_flight_bytes, session_info
+from kernelhub.session.live import LiveSession, execution_info, held, in_flight_bytes, session_info
 from kernelhub.session.operations import Operations
 from kernelhub.session.pool import WarmPool
 from kernelhub.session.recorder import Observer, Recorder
@@ -50,11 +51,10 @@ from kernelhub.session.state import SessionState, Transition, closed_error
 from kernelhub.snapshot.blobs import blob_store
 from kernelhub.store.base import Store
 from kernelhub.store.quota import StorageGuard
-from kernelhub.store.records import AuditEntry, Principal, StoredExecution, StoredSession
+from kernelhub.store.records import AuditEntry, Principal, StoredSession
 from kernelhub.store.retention import RetentionSweeper
 from kernelhub.wire import (
     MAX_METADATA_BYTES,
-    ExecutionInfo,
     LimitsIn,
     SessionCreate,
     SessionInfo,
@@ -62,19 +62,6 @@ from kernelhub.wire import (
 
 __all__ = ["LiveSession", "Observer", "SessionManager", "execution_info"]
 log = logging.getLogger(__name__)
-
-
-def execution_info(row: StoredExecution, events: list[Event] | None) -> ExecutionInfo:
-    """An execution as clients get it (REST, batch results)."""
-    return ExecutionInfo(
-        id=row.id,
-        session_id=row.session_id,
-        status=row.status,
-        code=row.code,
-        created_at=row.created_at,
-        record=row.record,
-        events=events,
-    )
 
 
 class SessionManager:
@@ -118,6 +105,10 @@ class SessionManager:
         self.recovery = SessionRecovery(
             self.settings, backend, store, self.recorder, bind=self._bind
         )
+        self.failover = Failover(
+            self.settings, backend, store, self.recorder, self.continuity, self.recovery,
+            self.sessions, live=self._live, bind=self._bind, spawn=self._spawn,
+        )  # fmt: skip
         self.ops = Operations(
             self.settings, store, self.recorder, self.continuity, self.storage, self.sessions,
             get=self._get, info=self.info,
@@ -146,8 +137,11 @@ class SessionManager:
     async def start(self) -> None:
         """Re-adopt sandboxes a previous process left running; report the rest dead;
         remove orphans."""
+        # A node agent (issue #24) holds only the sessions whose row names it.
+        mine = self.store.node if self.settings.cluster.address is not None else None
         for stored in await self.store.list_sessions():
-            if stored.state == SessionState.DELETED or stored.deleted_at is not None:
+            gone = stored.state == SessionState.DELETED or stored.deleted_at is not None
+            if gone or (mine is not None and stored.node != mine):
                 continue
             limits = Limits(**stored.limits)
             live = self._live(stored, limits)
@@ -399,12 +393,16 @@ class SessionManager:
             if s.phase not in (SessionState.DEAD, SessionState.DELETED)
         ]
 
+    def load(self) -> tuple[int, int]:
+        """Live sessions and the memory committed to them and the pool (for heartbeats)."""
+        alive = self._alive()
+        return len(alive), sum(s.limits.memory_bytes for s in alive) + self.pool.committed_bytes
+
     def _pool_room(self) -> bool:
         """Whether one more pooled sandbox fits: never at the expense of a session."""
-        alive = self._alive()
-        if len(alive) + self.pool.held >= self.settings.gateway.max_sessions:
+        sessions, committed = self.load()
+        if sessions + self.pool.held >= self.settings.gateway.max_sessions:
             return False
-        committed = sum(s.limits.memory_bytes for s in alive) + self.pool.committed_bytes
         return committed + self.pool.limits.memory_bytes <= self.memory_budget
 
     async def _make_room(self, limits: Limits) -> None:
@@ -422,7 +420,7 @@ class SessionManager:
     def _bind(self, live: LiveSession, kernel: KernelSession) -> None:
         live.kernel = kernel
         live.checkpoints = []  # they live in the sandbox: a new sandbox has none
-        kernel.after_cell = lambda handle: self.continuity.checkpoint(live, kernel, handle)
+        kernel.after_cell = partial(self.failover.after_cell, live, kernel)
         kernel.add_listener(partial(self.recorder.event, live))
         self._spawn(self._watch(live, kernel))
         if self.egress is not None:
@@ -469,6 +467,8 @@ class SessionManager:
         """The caller's live session; ``SessionClosedError`` if it has ended."""
         if (live := self._held(principal, session_id)) is not None:
             return live
+        if (live := await self.failover.claim_released(principal, session_id)) is not None:
+            return live  # hibernated with no node (drained): it wakes here
         stored = await self._gone(principal, session_id)
         raise closed_error(stored.id, SessionState(stored.state), stored.reason)
 
@@ -524,7 +524,9 @@ class SessionManager:
         (KERNELHUB_STORAGE__RETENTION), unless ``purge``: then they go now, and a session
         that ended earlier (deleted, or dead before a restart) can be purged this way too."""
         purge = purge or self.settings.storage.retention == 0
-        live = self._held(principal, session_id)
+        live = self._held(principal, session_id) or await self.failover.claim_released(
+            principal, session_id
+        )
         if live is None:
             # Dead before a restart: nothing left to stop, but the owner may still remove it.
             stored = await self._gone(principal, session_id)

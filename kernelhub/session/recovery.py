@@ -28,6 +28,7 @@ from typing import Literal
 from kernelhub.config import Settings
 from kernelhub.errors import KernelhubError
 from kernelhub.execution.engine import KernelSession
+from kernelhub.models import NoticeEvent
 from kernelhub.sandbox.base import SandboxBackend
 from kernelhub.session.live import LiveSession, start_kernel
 from kernelhub.session.recorder import Recorder
@@ -72,11 +73,16 @@ def describe(
     lost: list[str],
     not_restored: dict[str, str],
     why_empty: str | None,
+    *,
+    cause: str | None = None,
+    where: str = "in a fresh sandbox",
 ) -> str:
-    """The notice: what happened, what came back, what was lost."""
+    """The notice: what happened (``cause``; by default, the kernel died of ``reason``),
+    what came back ``where``, what was lost."""
+    cause = cause or f"the kernel died ({reason})"
     if after is not None:
         text = (
-            f"the kernel died ({reason}); recovered in {duration:.2f} s in a fresh sandbox "
+            f"{cause}; recovered in {duration:.2f} s {where} "
             f"from the checkpoint after cell {after} (variables and /workspace as they were then)"
         )
         if lost:
@@ -84,7 +90,7 @@ def describe(
         if not_restored:
             text += f"; not restored: {not_restored}"
         return text
-    text = f"the kernel died ({reason}); restarted empty in {duration:.2f} s in a fresh sandbox"
+    text = f"{cause}; restarted empty in {duration:.2f} s {where}"
     text += f" ({why_empty})" if why_empty else ""
     text += ": every variable, import and file of /workspace is gone"
     if lost:
@@ -115,6 +121,10 @@ class SessionRecovery:
 
     def last(self, session_id: str) -> RecoveryInfo | None:
         return self._last.get(session_id)
+
+    def remember(self, session_id: str, info: RecoveryInfo) -> None:
+        """A recovery made elsewhere (a lost node's session adopted here), for its info."""
+        self._last[session_id] = info
 
     def forget(self, session_id: str) -> None:
         self._deaths.pop(session_id, None)
@@ -212,7 +222,7 @@ class SessionRecovery:
             duration=duration,
             message=message,
         )
-        kernel.notice(message)
+        recovered_notice(kernel, message)
         await self.recorder.phase(live, reason=f"recovered: {reason}")
         await self.recorder.audit(
             AuditEntry(
@@ -248,3 +258,10 @@ async def final_out(dead: KernelSession) -> None:
         if dead.running is None:
             break
         await asyncio.sleep(0.01)
+
+
+def recovered_notice(kernel: KernelSession, message: str) -> None:
+    """The stream's word that the session came back in a fresh sandbox."""
+    kernel.publish(
+        NoticeEvent(execution_id="", seq=kernel.next_seq(), message=message, kind="recovered")
+    )

@@ -40,3 +40,9 @@ def test_the_notice_names_what_came_back_and_what_was_lost() -> None:
     empty = describe("signal 11 (SIGSEGV)", 1.0, None, ["e1"], {}, "the session had no checkpoint")
     assert "restarted empty" in empty and "no checkpoint" in empty
     assert "every variable, import and file of /workspace is gone" in empty and "e1" in empty
+
+
+def test_the_notice_of_a_lost_node_names_it_and_where_the_session_is_now() -> None:
+    text = describe("", 1.234, 2, ["e3"], {}, None, cause="node a was lost", where="on node b")
+    assert text.startswith("node a was lost; recovered in 1.23 s on node b from the checkpoint")
+    assert "after cell 2" in text and "e3" in text and "kernel died" not in text
