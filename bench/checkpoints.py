@@ -28,7 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
-from gateway import Gateway, create_session, delete_session, rest_roundtrip
+from gateway import Gateway, WsSession, create_session, delete_session
 from report import MiB, ms, quantile
 
 STATE = """\
@@ -53,27 +53,26 @@ async def cell_latencies(
     gw: Gateway, sids: dict[str, str], cells: int, think: float
 ) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {mode: [] for mode in sids}
-    clients = {mode: gw.client() for mode in sids}  # one keep-alive connection each
+    clients = {mode: WsSession(gw, sid) for mode, sid in sids.items()}  # one stream each
+    for ws in clients.values():
+        await ws.__aenter__()
     try:
-        for mode, sid in sids.items():
-            r = await clients[mode].post(
-                f"/v1/sessions/{sid}/executions", json={"code": STATE, "wait": True}
-            )
-            assert r.json()["status"] == "completed", r.text[:400]
+        for mode in sids:
+            await clients[mode].run(STATE)
         # Blocks of BLOCK cells per session, alternating: with no think time, a session's
         # checkpoint would otherwise run while the other session's cell does, and charge
         # the other one for it (2 cores); between blocks, an unmeasured pause lets it end.
         for start in range(0, cells, BLOCK):
-            for mode, sid in sids.items():
+            for mode in sids:
                 for i in range(start, min(start + BLOCK, cells)):
                     if think:
                         await asyncio.sleep(think)
                     code = CELLS[i % len(CELLS)]
-                    out[mode].append(await rest_roundtrip(clients[mode], sid, code))
+                    out[mode].append(await clients[mode].run(code))
                 await asyncio.sleep(BETWEEN_BLOCKS)
     finally:
-        for c in clients.values():
-            await c.aclose()
+        for ws in clients.values():
+            await ws.__aexit__()
     return out
 
 

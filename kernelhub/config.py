@@ -155,6 +155,15 @@ class GatewaySettings(BaseModel):
         "interrupted and the session's checkpoints are turned off (an object whose "
         "pickling stalls would otherwise hold up every cell), with a notice saying so",
     )
+    checkpoint_grace: float = Field(
+        0.02,
+        ge=0,
+        description="seconds a session must be idle after a cell before its automatic "
+        "checkpoint starts: cells sent back to back are checkpointed together, once the "
+        "burst ends, and none waits for a checkpoint of the cell before it (a crash in a "
+        "burst loses the burst's cells, named in the recovery; rewind reaches the "
+        "checkpoint before the burst). 0: as soon as each cell ends",
+    )
     crash_loop_limit: int = Field(
         5,
         ge=1,

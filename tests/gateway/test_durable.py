@@ -41,6 +41,18 @@ async def ready_again(http: httpx.AsyncClient, token: str, sid: str) -> dict[str
         await asyncio.sleep(0.05)
 
 
+async def checkpointed(http: httpx.AsyncClient, token: str, sid: str, cell: int) -> None:
+    """Wait until the session's latest checkpoint is the one after ``cell`` (taken once it
+    has been idle KERNELHUB_GATEWAY__CHECKPOINT_GRACE: an agent's think time)."""
+    deadline = time.monotonic() + 30 * UNIT
+    while True:
+        info = (await http.get(f"/v1/sessions/{sid}", headers=auth(token))).json()
+        if info["checkpoint_after_cell"] == cell:
+            return
+        assert time.monotonic() < deadline, info
+        await asyncio.sleep(0.01)
+
+
 async def notices(gateway: Gateway, token: str, sid: str, until_seq: int) -> list[str]:
     url = f"{gateway.ws_url}/v1/sessions/{sid}/stream?since=0"
     found = []
@@ -68,6 +80,7 @@ async def test_a_kernel_death_under_default_options_keeps_the_state(
         sid = await new_session(http, token, limits={"memory_bytes": 256 * 2**20})
         await run(http, token, sid, "import pandas as pd\ndf = pd.DataFrame({'v': range(5)})")
         await run(http, token, sid, "df['w'] = df['v'] * 2\nstep = 2")
+        await checkpointed(http, token, sid, 2)
         died = await run(http, token, sid, crash, timeout=60)
         assert died["status"] == "kernel_died", died["record"]
         assert reason in died["record"]["reason"], died["record"]
@@ -163,6 +176,7 @@ async def test_rewind_to_before_any_cell_with_default_options(shared_gateway: Ga
         sid = await new_session(http, token)
         for i in range(1, 6):
             assert stdout(await run(http, token, sid, cell(i))).startswith(("None", "["))
+            await checkpointed(http, token, sid, i)
         for before in (5, 2, 4, 1, 3):
             r = await http.post(
                 f"/v1/sessions/{sid}/rewind", json={"before_cell": before}, headers=h
@@ -173,8 +187,10 @@ async def test_rewind_to_before_any_cell_with_default_options(shared_gateway: Ga
             assert again["record"]["execution_count"] == before, again["record"]
             expected = None if before == 1 else list(range(1, before))
             assert stdout(again) == f"{expected}\n", (before, r.json(), stdout(again))
+            await checkpointed(http, token, sid, before)
             for i in range(before + 1, 6):  # the future again, for the next rewind
                 await run(http, token, sid, cell(i))
+                await checkpointed(http, token, sid, i)
         await http.delete(f"/v1/sessions/{sid}", headers=h)
 
 
@@ -234,3 +250,47 @@ async def test_a_checkpoint_that_stalls_turns_checkpoints_off_and_says_so(
         assert stdout(again) == "43\n"
         said = await notices(gateway, token, sid, again["events"][-1]["seq"])
         assert any("checkpoints are off for this session" in n for n in said), said
+
+
+async def test_cells_sent_back_to_back_never_wait_for_a_checkpoint_and_a_burst_gets_one(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    # Each checkpoint of `slow` takes a second (its pickling sleeps; every cell touches it,
+    # so every checkpoint pickles it again). A grace longer than the gaps between these
+    # REST calls makes the five cells one burst, whatever this machine's speed.
+    gateway = make_gateway(KERNELHUB_GATEWAY__CHECKPOINT_GRACE=str(2 * UNIT), **IMAGE_ENV)
+    token = gateway.token(f"fred-{uuid.uuid4().hex[:6]}")
+    h = auth(token)
+    slow = (
+        "import time\nclass Slow:\n    n = 0\n    def __reduce__(self):\n"
+        "        time.sleep(1)\n        return (Slow, ())\nslow = Slow()"
+    )
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as http:
+        sid = await new_session(http, token)
+        await run(http, token, sid, slow)  # cell 1
+        await checkpointed(http, token, sid, 1)
+        t0 = time.monotonic()
+        ids = [(await run(http, token, sid, f"slow.n = {i}"))["id"] for i in range(2, 7)]
+        took = time.monotonic() - t0
+        # Before, each cell waited for the checkpoint of the one before it: >= 4 s.
+        assert took < 2 * UNIT, f"five cells took {took:.2f} s"
+        info = (await http.get(f"/v1/sessions/{sid}", headers=h)).json()
+        assert info["checkpoint_after_cell"] == 1, info  # the burst is not in one yet
+        # A crash now comes back to the checkpoint before the burst and names its cells.
+        died = await run(http, token, sid, "import os\nos._exit(3)")
+        recovery = (await ready_again(http, token, sid))["recovery"]
+        assert recovery["checkpoint_after_cell"] == 1, recovery
+        assert recovery["lost"] == [*ids, died["id"]], recovery
+        # Once idle, the burst gets one checkpoint, after its last cell.
+        await run(http, token, sid, "slow.n = 7")
+        await run(http, token, sid, "slow.n = 8")
+        t1 = time.monotonic()
+        await checkpointed(http, token, sid, 3)  # execution counts restart with the kernel
+        assert time.monotonic() - t1 >= 1.0  # it did pickle `slow`, once
+        r = await http.post(f"/v1/sessions/{sid}/rewind", json={"before_cell": 3}, headers=h)
+        assert r.status_code == 200, r.text
+        assert r.json()["checkpoint_after_cell"] == 1, r.json()
+        after = await run(http, token, sid, "print(slow.n if hasattr(slow, 'n') else None)")
+        said = await notices(gateway, token, sid, after["events"][-1]["seq"])
+        assert any("cell 2 ran back to back with cell 3" in n for n in said), said
+        await http.delete(f"/v1/sessions/{sid}", headers=h)
