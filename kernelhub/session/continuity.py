@@ -457,7 +457,14 @@ class Continuity:
             snap.sha256, lambda sha: self.blobs.mac(snap.id, snap.owner, sha), snap.mac
         )
         _, answers = await transfer.alongside(
-            transfer.push(kernel.sandbox.session_dir, name, source, accept, timeout),
+            transfer.push(
+                kernel.sandbox.session_dir,
+                name,
+                source,
+                accept,
+                timeout,
+                transfer.algorithm_of(snap.sha256),
+            ),
             kernel.call(calls.restore_stream(name), calls.RESULT, timeout=timeout),
         )
         result = calls.result(answers)
