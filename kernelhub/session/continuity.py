@@ -393,7 +393,11 @@ class Continuity:
             "execution_count": result.get("execution_count"),
             "saved": list(result.get("saved", [])),
             "skipped": {str(k): str(v) for k, v in dict(result.get("skipped", {})).items()},
-            "kernel": {"size_bytes": result.get("size_bytes"), "timings": result.get("timings")},
+            "kernel": {
+                "size_bytes": result.get("size_bytes"),
+                "duration": result.get("duration"),
+                "timings": result.get("timings"),
+            },
         }
         if keep_as is not None:
             metadata["capture_dir"] = keep_as
