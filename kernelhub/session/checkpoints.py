@@ -1,21 +1,24 @@
 """Automatic checkpoints, off the critical path of the cells they follow.
 
-A cell's reply and record never wait for its checkpoint, and neither does the next cell
-sent right after it: the checkpoint starts only once the session has been idle for
-``checkpoint_grace`` seconds after a cell, so a burst of cells sent back to back is
-checkpointed once, when it ends. (Measured in ``bench/checkpoints.py``: on a session with
-~100 MiB of state, taking one after every back-to-back cell more than doubled each cell's
-latency; an agent thinking between cells never saw them.) The guarantee, precisely:
+A cell's reply and record never wait for its checkpoint: it is armed when the cell ends
+and taken once the session has been idle ``checkpoint_grace`` seconds, as the kernel's
+next item (a cell already queued runs first; the checkpoint after it covers both).
 
-- the effects of a cell followed by ``checkpoint_grace`` seconds of idleness are in a
-  checkpoint once that checkpoint has run (it is incremental: usually milliseconds);
-- a crash inside a burst comes back to the checkpoint before the burst, and the
-  recovery names every execution since it (``RecoveryInfo.lost``);
-- rewind reaches the state before any cell that followed such an idle moment; inside a
-  burst, it goes back to the checkpoint before the burst and says which cells that undoes.
+The grace is a choice between two guarantees, both precise:
 
-A cell that arrives while a checkpoint is already running waits for its end (the kernel
-runs one thing at a time); the grace makes that rare. Used by
+- 0 (the default): a checkpoint after every cell. Crash recovery comes back to the last
+  cell and rewind reaches the state before any cell; a cell sent while the previous
+  cell's checkpoint runs waits for its end (incremental: ~5-15 ms on ~100 MiB of state).
+- more (e.g. 0.05 s): a burst of cells sent back to back gets one checkpoint, once it
+  ends, and none waits: on a session with ~100 MiB of state, checkpoints after each of
+  a burst of back-to-back cells more than doubled their latency (``bench/checkpoints.py``).
+  A crash inside a burst comes back to the checkpoint before it, and the recovery names
+  every execution since (``RecoveryInfo.lost``); rewind reaches the state before a cell
+  that followed that much idle time, and inside a burst goes back to the checkpoint
+  before it, naming the cells that undoes too.
+
+An agent thinking between cells (seconds, usually) gets a checkpoint after each cell
+either way, for none of its cells' time. Used by
 :class:`~kernelhub.session.continuity.Continuity`, which owns the rest of the session's
 continuity (rewind, recovery, hibernation read ``LiveSession.checkpoints``).
 """
