@@ -1,26 +1,27 @@
 """What default checkpoints cost a cell: a session holding ~100 MiB of state runs small
 cells with checkpoints on (the default) and off, in the same gateway, in alternating blocks.
 
-    python bench/checkpoints.py [--cells 60] [--think 0.2] [--out docs/bench-checkpoints.md]
+    python bench/checkpoints.py [--cells 60] [--think 0.2] [--grace 0.05] [--out FILE]
 
 Two sessions, created alike (1 GiB of memory), each given the same ~100 MiB namespace (a
 float array, a DataFrame, a dict of small values) and then the same small cells, one at a
-time over REST (``wait=True``), in blocks of ten alternating between the two sessions so
-that both see the same machine load. A cell's latency is the REST round trip; the checkpoint's cost is
-the difference between the sessions. The round trip is httpx's, as in
-``bench/suite.py``'s REST row. Between two cells the client waits ``--think``
-seconds, as an agent does while its model writes the next cell (seconds, usually: 0.2 s
-is a fast agent); ``--think 0`` sends each cell as soon as the previous answered, the
-worst case for a checkpoint taken between cells. The floor is the same session with
-checkpoints off. The checkpoint itself (an incremental capture: only what the cell may
-have changed is pickled again, the rest hard-linked) runs between cells; the cell tracking
-it needs is analyzed at the checkpoint too, not inside the cell.
+time over each session's WebSocket stream (execute to its ``final`` event), in blocks of
+ten alternating between the two sessions so that both see the same machine load. The
+checkpoint's cost is the difference between the sessions; the floor is the same session
+with checkpoints off. Between two cells the client waits ``--think`` seconds, as an agent
+does while its model writes the next cell (seconds, usually: 0.2 s is a fast agent);
+``--think 0`` sends each cell as soon as the previous answered, the worst case for a
+checkpoint taken between cells. ``--grace`` sets KERNELHUB_GATEWAY__CHECKPOINT_GRACE (see
+``kernelhub/session/checkpoints.py``: 0, the default, checkpoints after every cell and a
+cell sent meanwhile waits; more coalesces a burst). The checkpoint itself is incremental:
+only what the cell may have changed is pickled again, the rest hard-linked.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -76,12 +77,13 @@ async def cell_latencies(
     return out
 
 
-async def measure(cells: int, think: float) -> dict[str, list[float]]:
+async def measure(cells: int, think: float, grace: float | None) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory(prefix="kh-bench-ckpt-") as tmp:
         instance = f"bck-{uuid.uuid4().hex[:6]}"
-        gw = await Gateway.launch(
-            Path(tmp), instance=instance, env={"KERNELHUB_GATEWAY__HIBERNATE_AFTER": "3600"}
-        )
+        env = {"KERNELHUB_GATEWAY__HIBERNATE_AFTER": "3600"}
+        if grace is not None:
+            env["KERNELHUB_GATEWAY__CHECKPOINT_GRACE"] = str(grace)
+        gw = await Gateway.launch(Path(tmp), instance=instance, env=env)
         try:
             async with gw.client() as http:
                 limits = {"memory_bytes": 1024 * MiB}
@@ -122,14 +124,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=60)
     parser.add_argument("--think", type=float, action="append")
+    parser.add_argument(
+        "--grace", type=float, default=None, help="KERNELHUB_GATEWAY__CHECKPOINT_GRACE (s)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     thinks = args.think or [0.2, 0.0]
     t0 = time.monotonic()
-    results = {t: asyncio.run(measure(args.cells, t)) for t in thinks}
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    results = {t: asyncio.run(measure(args.cells, t, args.grace)) for t in thinks}
+    grace = "the default" if args.grace is None else f"{args.grace:g} s"
     text = (
         report(results)
-        + f"\n{args.cells} cells per session and think time, {time.monotonic() - t0:.0f} s in all.\n"
+        + f"\n{args.cells} cells per session and think time, checkpoint grace {grace},"
+        f" {time.monotonic() - t0:.0f} s in all; load average at the start {load}.\n"
     )
     print(text)
     if args.out:
