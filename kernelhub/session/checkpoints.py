@@ -115,6 +115,9 @@ class Checkpoints:
         live.checkpoint_due = None
         if live.kernel is not kernel or not kernel.alive or live.checkpoint_policy == "off":
             return
+        if kernel.paused:  # frozen: nothing may be sent to it; after it resumes
+            self._arm(live, kernel, _BUSY_RECHECK_INTERVAL)
+            return
         running = kernel.running
         if running is not None or kernel.queue_length:
             # A user cell re-arms it when it ends; anything else (a snapshot, a file

@@ -27,6 +27,7 @@ class StandInKernel:
 
     def __init__(self) -> None:
         self.alive = True
+        self.paused = False
         self.running: Any = None
         self.queue_length = 0
         self.calls: list[str] = []
@@ -99,17 +100,25 @@ async def test_a_burst_of_cells_gets_one_checkpoint_after_its_last_cell() -> Non
     assert "ckpt-5-" in h.kernel.captures()[-1].split("base=")[1]
 
 
-async def test_a_busy_kernel_or_a_cancel_takes_no_checkpoint_and_off_arms_none() -> None:
+async def test_a_busy_kernel_a_paused_one_or_a_cancel_waits_or_drops_and_off_arms_none() -> None:
     h = Harness()
     h.cell(1)
     h.kernel.running = ExecutionHandle("user", "sleep", None)  # a user cell: it re-arms
     await h.settle()
     assert h.kernel.captures() == [] and h.live.checkpoint_due is None
     h.kernel.running = None
+    h.kernel.paused = True  # frozen: it waits for the resume
     h.cell(2)
+    await asyncio.sleep(3 * GRACE)
+    assert h.kernel.captures() == [] and h.live.checkpoint_due is not None
+    h.kernel.paused = False
+    await eventually(lambda: bool(h.kernel.captures()), 5)
+    await asyncio.gather(*h.tasks)
+    assert [n for n, _ in h.live.checkpoints] == [2]
+    h.cell(3)
     h.checkpoints.cancel(h.live)  # a rewind or restart meanwhile
     await h.settle()
-    assert h.kernel.captures() == []
+    assert len(h.kernel.captures()) == 1  # only the one after cell 2
     off = Harness(policy="off")
     off.cell(1)
     assert off.live.checkpoint_due is None
