@@ -189,7 +189,10 @@ class Checkpoints:
         timeout = self.settings.gateway.checkpoint_timeout
         t0 = time.monotonic()
         try:
-            await kernel.call(calls.capture(name, base), calls.RESULT, timeout=timeout)
+            # No result asked for: formatting the kernel's answer (every group, every
+            # name) as JSON and parsing it here took 13 of a checkpoint's 33 ms, for
+            # nothing a checkpoint uses; a failed capture still raises.
+            await kernel.call(calls.capture(name, base), {}, timeout=timeout)
         except KernelhubError:
             with contextlib.suppress(KernelhubError):
                 await kernel.call(calls.remove(name), {}, timeout=60)  # what it left

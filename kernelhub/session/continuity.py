@@ -367,7 +367,7 @@ class Continuity:
             # Kept in the state directory (incremental from ``base``): the wake restores
             # from it. The blob below is the fallback for when the state directory is gone.
             try:
-                await kernel.call(calls.capture(name, base), calls.RESULT, timeout=timeout)
+                await kernel.call(calls.capture(name, base), {}, timeout=timeout)  # no answer
             except KernelhubError:  # a capture cut short may have left part of its files
                 self._spawn(self._remove_capture(kernel, name))
                 raise
