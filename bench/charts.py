@@ -63,7 +63,7 @@ def concurrency(levels: dict[int, dict[str, dict[str, Any]]], out: Path) -> Path
 
 def snapshot(results: list[Any], out: Path) -> Path | None:
     """``results``: objects with ``mib`` and ``median(name)`` for ``snapshot``, ``dump``,
-    ``load``, ``restore_total`` and ``cold`` (``bench/snapshot_api.py``'s samples)."""
+    ``load`` and ``restore`` (``bench/snapshot_api.py``'s samples)."""
     points = sorted(results, key=lambda s: s.mib)
     if not points:
         return None
@@ -73,7 +73,7 @@ def snapshot(results: list[Any], out: Path) -> Path | None:
             label="kernelhub snapshot (API)")  # fmt: skip
     ax.plot(xs, [s.median("dump") for s in points], "o--", color="C7",
             label="floor: pickle.dump (protocol 5)")  # fmt: skip
-    ax.plot(xs, [s.median("restore_total") - s.median("cold") for s in points], "s-",
+    ax.plot(xs, [s.median("restore") for s in points], "s-",
             color="C2", label="kernelhub restore (minus a cold start)")  # fmt: skip
     ax.plot(xs, [s.median("load") for s in points], "s--", color="C8",
             label="floor: pickle.load")  # fmt: skip

@@ -1,26 +1,27 @@
 """What default checkpoints cost a cell: a session holding ~100 MiB of state runs small
 cells with checkpoints on (the default) and off, in the same gateway, in alternating blocks.
 
-    python bench/checkpoints.py [--cells 60] [--think 0.2] [--out docs/bench-checkpoints.md]
+    python bench/checkpoints.py [--cells 60] [--think 0.2] [--grace 0.05] [--out FILE]
 
 Two sessions, created alike (1 GiB of memory), each given the same ~100 MiB namespace (a
 float array, a DataFrame, a dict of small values) and then the same small cells, one at a
-time over REST (``wait=True``), in blocks of ten alternating between the two sessions so
-that both see the same machine load. A cell's latency is the REST round trip; the checkpoint's cost is
-the difference between the sessions. The round trip is httpx's, as in
-``bench/suite.py``'s REST row. Between two cells the client waits ``--think``
-seconds, as an agent does while its model writes the next cell (seconds, usually: 0.2 s
-is a fast agent); ``--think 0`` sends each cell as soon as the previous answered, the
-worst case for a checkpoint taken between cells. The floor is the same session with
-checkpoints off. The checkpoint itself (an incremental capture: only what the cell may
-have changed is pickled again, the rest hard-linked) runs between cells; the cell tracking
-it needs is analyzed at the checkpoint too, not inside the cell.
+time over each session's WebSocket stream (execute to its ``final`` event), in blocks of
+ten alternating between the two sessions so that both see the same machine load. The
+checkpoint's cost is the difference between the sessions; the floor is the same session
+with checkpoints off. Between two cells the client waits ``--think`` seconds, as an agent
+does while its model writes the next cell (seconds, usually: 0.2 s is a fast agent);
+``--think 0`` sends each cell as soon as the previous answered, the worst case for a
+checkpoint taken between cells. ``--grace`` sets KERNELHUB_GATEWAY__CHECKPOINT_GRACE (see
+``kernelhub/session/checkpoints.py``: 0, the default, checkpoints after every cell and a
+cell sent meanwhile waits; more coalesces a burst). The checkpoint itself is incremental:
+only what the cell may have changed is pickled again, the rest hard-linked.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -28,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
-from gateway import Gateway, create_session, delete_session, rest_roundtrip
+from gateway import Gateway, WsSession, create_session, delete_session
 from report import MiB, ms, quantile
 
 STATE = """\
@@ -53,36 +54,36 @@ async def cell_latencies(
     gw: Gateway, sids: dict[str, str], cells: int, think: float
 ) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {mode: [] for mode in sids}
-    clients = {mode: gw.client() for mode in sids}  # one keep-alive connection each
+    clients = {mode: WsSession(gw, sid) for mode, sid in sids.items()}  # one stream each
+    for ws in clients.values():
+        await ws.__aenter__()
     try:
-        for mode, sid in sids.items():
-            r = await clients[mode].post(
-                f"/v1/sessions/{sid}/executions", json={"code": STATE, "wait": True}
-            )
-            assert r.json()["status"] == "completed", r.text[:400]
+        for mode in sids:
+            await clients[mode].run(STATE)
         # Blocks of BLOCK cells per session, alternating: with no think time, a session's
         # checkpoint would otherwise run while the other session's cell does, and charge
         # the other one for it (2 cores); between blocks, an unmeasured pause lets it end.
         for start in range(0, cells, BLOCK):
-            for mode, sid in sids.items():
+            for mode in sids:
                 for i in range(start, min(start + BLOCK, cells)):
                     if think:
                         await asyncio.sleep(think)
                     code = CELLS[i % len(CELLS)]
-                    out[mode].append(await rest_roundtrip(clients[mode], sid, code))
+                    out[mode].append(await clients[mode].run(code))
                 await asyncio.sleep(BETWEEN_BLOCKS)
     finally:
-        for c in clients.values():
-            await c.aclose()
+        for ws in clients.values():
+            await ws.__aexit__()
     return out
 
 
-async def measure(cells: int, think: float) -> dict[str, list[float]]:
+async def measure(cells: int, think: float, grace: float | None) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory(prefix="kh-bench-ckpt-") as tmp:
         instance = f"bck-{uuid.uuid4().hex[:6]}"
-        gw = await Gateway.launch(
-            Path(tmp), instance=instance, env={"KERNELHUB_GATEWAY__HIBERNATE_AFTER": "3600"}
-        )
+        env = {"KERNELHUB_GATEWAY__HIBERNATE_AFTER": "3600"}
+        if grace is not None:
+            env["KERNELHUB_GATEWAY__CHECKPOINT_GRACE"] = str(grace)
+        gw = await Gateway.launch(Path(tmp), instance=instance, env=env)
         try:
             async with gw.client() as http:
                 limits = {"memory_bytes": 1024 * MiB}
@@ -123,14 +124,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=60)
     parser.add_argument("--think", type=float, action="append")
+    parser.add_argument(
+        "--grace", type=float, default=None, help="KERNELHUB_GATEWAY__CHECKPOINT_GRACE (s)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     thinks = args.think or [0.2, 0.0]
     t0 = time.monotonic()
-    results = {t: asyncio.run(measure(args.cells, t)) for t in thinks}
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    results = {t: asyncio.run(measure(args.cells, t, args.grace)) for t in thinks}
+    grace = "the default" if args.grace is None else f"{args.grace:g} s"
     text = (
         report(results)
-        + f"\n{args.cells} cells per session and think time, {time.monotonic() - t0:.0f} s in all.\n"
+        + f"\n{args.cells} cells per session and think time, checkpoint grace {grace},"
+        f" {time.monotonic() - t0:.0f} s in all; load average at the start {load}.\n"
     )
     print(text)
     if args.out:

@@ -29,7 +29,9 @@ async def snapshots(suite: Suite) -> list[Row]:
         f" numeric namespaces of {', '.join(f'{s} MiB' for s in sizes)} (four float64 arrays"
         " and a small dict). Floors: `pickle.dump(protocol=5)` and `pickle.load` of the same"
         " objects in the same sandbox (to its /workspace, a tmpfs), with dill beside them."
-        " Restore is `POST /v1/sessions` with `from_snapshot` minus a plain one in the same round."
+        " Restore is the `restore.duration` that `POST /v1/sessions` with `from_snapshot`"
+        " returns (the gateway's timing of the restore alone: blob streamed in and hashed,"
+        " the kernel's load), with the create less a plain create beside it as a cross-check."
         f" {rounds} interleaved rounds: median, spread min–max.",
     )
     rows: list[Row] = snapshot_api.rows(results)

@@ -171,6 +171,17 @@ class GatewaySettings(BaseModel):
         "interrupted and the session's checkpoints are turned off (an object whose "
         "pickling stalls would otherwise hold up every cell), with a notice saying so",
     )
+    checkpoint_grace: float = Field(
+        0.0,
+        ge=0,
+        description="seconds a session must be idle after a cell before its automatic "
+        "checkpoint starts. 0: right after each cell, and a cell sent while it runs waits "
+        "for it (every cell is a point crash recovery and rewind come back to). More "
+        "(e.g. 0.05): cells sent back to back are checkpointed together once the burst "
+        "ends and none waits for a checkpoint, but a crash in a burst comes back to the "
+        "checkpoint before it (the recovery names the burst's cells) and rewind reaches "
+        "only the cells that were followed by that much idle time",
+    )
     crash_loop_limit: int = Field(
         5,
         ge=1,

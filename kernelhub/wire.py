@@ -140,6 +140,11 @@ class SessionInfo(BaseModel):
         None, description="set once its kernel died and was brought back: the last time"
     )
     restore: RestoreReport | None = Field(None, description="set when made from a snapshot")
+    checkpoint_after_cell: int | None = Field(
+        None,
+        description="the execution count of its latest checkpoint: what a crash now comes "
+        "back to, and the latest state rewind reaches (None: none yet)",
+    )
 
 
 class SessionList(BaseModel):

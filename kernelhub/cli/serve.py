@@ -261,7 +261,11 @@ def uvicorn_config(settings: Settings, app: Any, tls: dict[str, Any] | None = No
 def listen_socket(host: str, port: int) -> socket.socket:
     """The gateway's socket, bound before anything starts: a port in use is one line
     before any sandbox or token exists, not a log line after the lifespan ran."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on accepted sockets
+    # whose proto says TCP. With proto 0 every REST response that left in two writes
+    # waited for the client's delayed ACK: 48 ms a back-to-back `1+1` against 16 ms.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -26,8 +26,8 @@ from typing import Any
 from kernelhub.config import Settings
 from kernelhub.errors import KernelError, KernelhubError, NotFoundError, SessionError
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
-from kernelhub.models import ExecutionStatus
 from kernelhub.sandbox.base import SandboxBackend
+from kernelhub.session.checkpoints import Checkpoints
 from kernelhub.session.live import LiveSession
 from kernelhub.session.recorder import Recorder
 from kernelhub.session.standby import Standby, info_modules, kept_capture, top_modules
@@ -66,78 +66,16 @@ class Continuity:
         self._bind = bind
         self._spawn = spawn
         self.standby = Standby(settings, backend, store)
+        self.checkpoints = Checkpoints(settings, spawn)
 
     # -- checkpoints and rewind -----------------------------------------------------------
-
-    # Rewind reaches back this many checkpoints; most of their files are hard links to
-    # each other's, and a full state directory drops the oldest (see _checkpoint).
-    _MAX_CHECKPOINTS = 256
 
     async def checkpoint(
         self, live: LiveSession, kernel: KernelSession, handle: ExecutionHandle
     ) -> None:
-        """After a successful cell (the engine calls this before the next one starts):
-        an incremental capture inside the sandbox, kept there, the base of the next one."""
-        policy = live.checkpoint_policy
-        record = handle.record
-        if policy == "off" or record is None or record.status != ExecutionStatus.COMPLETED:
-            return
-        if kernel.queue_length:
-            # Off the critical path: a cell already waiting runs first; the checkpoint
-            # after it covers both (recovery then names both as lost).
-            return
-        now = time.monotonic()
-        if isinstance(policy, float) and now - live.last_checkpoint_at < policy:
-            return
-        count = record.execution_count or 0
-        name = f"ckpt-{count}-{uuid.uuid4().hex[:6]}"
-        base = live.checkpoints[-1][1] if live.checkpoints else None
-        # Most often a failure is a full state directory (a large object changed, or a
-        # capture that could not be incremental): the older checkpoints make room for the
-        # newest, all but the last one first, then that one too.
-        for attempt in range(3):
-            try:
-                await self._capture_checkpoint(live, kernel, name, base)
-                break
-            except KernelhubError as exc:
-                if attempt == 2 or not live.checkpoints or live.checkpoint_policy == "off":
-                    log.warning(
-                        "checkpoint after cell %s of session %s failed: %s", count, live.id, exc
-                    )
-                    return
-                keep = live.checkpoints[-1:] if attempt == 0 else []
-                for _, old in live.checkpoints[: len(live.checkpoints) - len(keep)]:
-                    await kernel.call(calls.remove(old), {}, timeout=60)
-                live.checkpoints = keep
-                base = keep[-1][1] if keep else None
-        live.checkpoints.append((count, name))
-        live.since_checkpoint = []
-        live.last_checkpoint_at = now
-        ms = (time.monotonic() - now) * 1000
-        log.debug("checkpoint after cell %s of session %s: %.1f ms", count, live.id, ms)
-        while len(live.checkpoints) > self._MAX_CHECKPOINTS:
-            _, old = live.checkpoints.pop(0)
-            await kernel.call(calls.remove(old), {}, timeout=60)
-
-    async def _capture_checkpoint(
-        self, live: LiveSession, kernel: KernelSession, name: str, base: str | None
-    ) -> None:
-        timeout = self.settings.gateway.checkpoint_timeout
-        t0 = time.monotonic()
-        try:
-            await kernel.call(calls.capture(name, base), calls.RESULT, timeout=timeout)
-        except KernelhubError:
-            with contextlib.suppress(KernelhubError):
-                await kernel.call(calls.remove(name), {}, timeout=60)  # what it left
-            if time.monotonic() - t0 >= timeout:
-                live.checkpoint_policy = "off"
-                kernel.notice(
-                    f"checkpoints are off for this session: one ran past {timeout:g} s "
-                    "(KERNELHUB_GATEWAY__CHECKPOINT_TIMEOUT) and was interrupted, most likely "
-                    "an object whose pickling stalls; crash recovery and rewind now have only "
-                    "the checkpoints taken so far"
-                )
-            raise
+        """The engine's ``after_cell`` hook: arms the session's automatic checkpoint
+        (``session.checkpoints``), taken once the session has been idle a moment."""
+        self.checkpoints.cell_ended(live, kernel, handle)
 
     async def restart(
         self, principal: Principal, live: LiveSession, kernel: KernelSession, client: str | None
@@ -145,6 +83,7 @@ class Continuity:
         """A fresh kernel in the same sandbox: variables gone, files kept. It waits its
         turn behind the cells queued before it (interrupt a stuck one first)."""
         t0 = time.monotonic()
+        self.checkpoints.cancel(live)  # it would capture the empty kernel
         await kernel.exclusive(kernel.restart)
         kernel.notice("the kernel was restarted: variables are gone, files are kept")
         await self.recorder.audit(
@@ -172,10 +111,8 @@ class Continuity:
         async def rewind_now() -> RewindReport:
             usable = [(n, d) for n, d in live.checkpoints if n < before_cell]
             if not usable and before_cell > 1:
-                raise SessionError(
-                    f"no checkpoint before cell {before_cell}; create the session with "
-                    '"checkpoints": "every_cell" to be able to rewind'
-                )
+                raise SessionError(no_checkpoint_before(before_cell, live.checkpoint_policy))
+            self.checkpoints.cancel(live)  # armed for a cell of the future undone here
             await kernel.restart()
             restored: list[str] = []
             failed: dict[str, str] = {}
@@ -204,10 +141,7 @@ class Continuity:
             )
 
         report = await kernel.exclusive(rewind_now)
-        kernel.notice(
-            f"rewound to the state before cell {before_cell}; the effects of cells "
-            f"{before_cell} and later are undone (files written since are kept)"
-        )
+        kernel.notice(rewound(before_cell, report.checkpoint_after_cell))
         await self.recorder.audit(
             AuditEntry(
                 principal=principal.name,
@@ -431,7 +365,7 @@ class Continuity:
             # Kept in the state directory (incremental from ``base``): the wake restores
             # from it. The blob below is the fallback for when the state directory is gone.
             try:
-                await kernel.call(calls.capture(name, base), calls.RESULT, timeout=timeout)
+                await kernel.call(calls.capture(name, base), {}, timeout=timeout)  # no answer
             except KernelhubError:  # a capture cut short may have left part of its files
                 self._spawn(self._remove_capture(kernel, name))
                 raise
@@ -459,7 +393,11 @@ class Continuity:
             "execution_count": result.get("execution_count"),
             "saved": list(result.get("saved", [])),
             "skipped": {str(k): str(v) for k, v in dict(result.get("skipped", {})).items()},
-            "kernel": {"size_bytes": result.get("size_bytes"), "timings": result.get("timings")},
+            "kernel": {
+                "size_bytes": result.get("size_bytes"),
+                "duration": result.get("duration"),
+                "timings": result.get("timings"),
+            },
         }
         if keep_as is not None:
             metadata["capture_dir"] = keep_as
@@ -524,7 +462,14 @@ class Continuity:
             snap.sha256, lambda sha: self.blobs.mac(snap.id, snap.owner, sha), snap.mac
         )
         _, answers = await transfer.alongside(
-            transfer.push(kernel.sandbox.session_dir, name, source, accept, timeout),
+            transfer.push(
+                kernel.sandbox.session_dir,
+                name,
+                source,
+                accept,
+                timeout,
+                transfer.algorithm_of(snap.sha256),
+            ),
             kernel.call(calls.restore_stream(name), calls.RESULT, timeout=timeout),
         )
         result = calls.result(answers)
@@ -575,6 +520,39 @@ def hibernate_deadline(hibernate_timeout: float, snapshot_timeout: float) -> tup
     if hibernate_timeout <= snapshot_timeout:
         return hibernate_timeout, "KERNELHUB_GATEWAY__HIBERNATE_TIMEOUT"
     return snapshot_timeout, "KERNELHUB_GATEWAY__SNAPSHOT_TIMEOUT"
+
+
+def no_checkpoint_before(before_cell: int, policy: str | float) -> str:
+    """Why a rewind to before ``before_cell`` cannot be done."""
+    if policy == "off":
+        return (
+            f"no checkpoint before cell {before_cell}; create the session with "
+            '"checkpoints": "every_cell" to be able to rewind'
+        )
+    return (
+        f"no checkpoint before cell {before_cell}: the cells before it ran back to back "
+        "(a checkpoint is taken once the session has been idle "
+        "KERNELHUB_GATEWAY__CHECKPOINT_GRACE seconds after a cell); rewind to before "
+        "cell 1 for an empty kernel"
+    )
+
+
+def rewound(before_cell: int, after: int | None) -> str:
+    """The notice of a rewind that restored the checkpoint after cell ``after``."""
+    text = (
+        f"rewound to the state before cell {before_cell}; the effects of cells "
+        f"{before_cell} and later are undone (files written since are kept)"
+    )
+    if after is not None and after < before_cell - 1:
+        first, last = after + 1, before_cell - 1
+        cells = f"cell {first}" if first == last else f"cells {first}-{last}"
+        text = (
+            f"rewound to the state after cell {after}, the last checkpoint before cell "
+            f"{before_cell}: {cells} ran back to back with cell {before_cell} and had no "
+            f"checkpoint of their own, so their effects are undone too, with those of "
+            f"cells {before_cell} and later (files written since are kept)"
+        )
+    return text
 
 
 def idle_wait(after: float, failures: int) -> float:

@@ -54,6 +54,11 @@ class LiveSession:
     # (execution count after which it was taken, directory in the sandbox), oldest first
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
     last_checkpoint_at: float = 0.0
+    # The automatic checkpoint armed after the last cell (``session.checkpoints``): its
+    # timer, the execution count it is to be after, and a counter that cancels a queued one.
+    checkpoint_due: asyncio.TimerHandle | None = None
+    checkpoint_count: int | None = None
+    checkpoint_epoch: int = 0
     hibernation: str | None = None  # the snapshot a hibernated session wakes from
     standby: asyncio.Task[KernelSession] | None = None  # hibernated: its sandbox to wake into
     warm: bool = False  # its sandbox came from the warm pool
@@ -117,6 +122,7 @@ class LiveSession:
     def info(self, last_seq: int, stored_bytes: int) -> SessionInfo:
         info = session_info(self.stored, self.state, self.reason, last_seq, warm=self.warm)
         info.stored_bytes = stored_bytes  # live, not as stored
+        info.checkpoint_after_cell = self.checkpoints[-1][0] if self.checkpoints else None
         running = self.kernel.running if self.kernel else None
         if running is not None and running.status == ExecutionStatus.AWAITING_INPUT:
             info.awaiting_input = running.id  # a human gate: the review page flags it

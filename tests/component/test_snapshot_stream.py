@@ -5,7 +5,6 @@ counts, hashes and stores, and the kernel loads nothing the host's verdict refus
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -61,7 +60,10 @@ async def test_a_streamed_snapshot_round_trips_and_stages_nothing(
     assert {"big", "view_of_same", "df", "f"} <= set(captured["saved"])
     # One hash, the host's, over exactly the bytes it stored.
     assert captured["host"]["size"] == blob.stat().st_size > 24_000_000
-    assert captured["host"]["sha256"] == hashlib.sha256(blob.read_bytes()).hexdigest()
+    digest = captured["host"]["sha256"]
+    expected = transfer.new_digest(transfer.algorithm_of(digest))
+    expected.update(memoryview(blob.read_bytes()))
+    assert digest == transfer.labelled(transfer.algorithm_of(digest), expected)
     assert all(g["sha256"] == "" for g in captured["groups"])
     # Nothing was written to the sandbox's snapshot directory (but the running cell's
     # spool, kernelhub_kernel.spool), and the socket is gone.

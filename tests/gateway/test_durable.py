@@ -41,6 +41,32 @@ async def ready_again(http: httpx.AsyncClient, token: str, sid: str) -> dict[str
         await asyncio.sleep(0.05)
 
 
+async def checkpointed(http: httpx.AsyncClient, token: str, sid: str, cell: int) -> None:
+    """Wait until the session's latest checkpoint is the one after ``cell``."""
+    deadline = time.monotonic() + 30 * UNIT
+    while True:
+        info = (await http.get(f"/v1/sessions/{sid}", headers=auth(token))).json()
+        if info["checkpoint_after_cell"] == cell:
+            return
+        assert time.monotonic() < deadline, info
+        await asyncio.sleep(0.01)
+
+
+async def notice_saying(gateway: Gateway, token: str, sid: str, text: str) -> str:
+    """The first notice on the session's stream (replayed from the start) that says
+    ``text``, waiting for it up to 60 s."""
+    url = f"{gateway.ws_url}/v1/sessions/{sid}/stream?since=0"
+    async with connect(url, additional_headers=auth(token)) as ws:
+        deadline = time.monotonic() + 60 * UNIT
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no notice saying {text!r}"
+            frame = json.loads(await asyncio.wait_for(ws.recv(), left))
+            event = frame.get("event") or {}
+            if event.get("type") == "notice" and text in event["message"]:
+                return str(event["message"])
+
+
 async def notices(gateway: Gateway, token: str, sid: str, until_seq: int) -> list[str]:
     url = f"{gateway.ws_url}/v1/sessions/{sid}/stream?since=0"
     found = []
@@ -227,10 +253,58 @@ async def test_a_checkpoint_that_stalls_turns_checkpoints_off_and_says_so(
         sid = await new_session(http, token)
         await run(http, token, sid, stall)
         t0 = time.monotonic()
-        after = await run(http, token, sid, "print(x + 1)")  # waits out one checkpoint only
+        after = await run(http, token, sid, "print(x + 1)")  # waits out one checkpoint at most
         assert stdout(after) == "42\n", after
         assert time.monotonic() - t0 < deadline + 20 * UNIT
-        again = await run(http, token, sid, "print(x + 2)")  # no checkpoint in the way now
+        # The stalled checkpoint (taken once the session is idle) is stopped at its deadline.
+        said = await notice_saying(gateway, token, sid, "checkpoints are off for this session")
+        assert f"ran past {deadline:g} s" in said, said
+        t1 = time.monotonic()
+        again = await run(http, token, sid, "print(x + 2)")
         assert stdout(again) == "43\n"
-        said = await notices(gateway, token, sid, again["events"][-1]["seq"])
-        assert any("checkpoints are off for this session" in n for n in said), said
+        await run(http, token, sid, "print(x + 3)")  # no checkpoint in the way now
+        assert time.monotonic() - t1 < deadline, "a checkpoint still stalled the cells"
+
+
+async def test_cells_sent_back_to_back_never_wait_for_a_checkpoint_and_a_burst_gets_one(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    # Each checkpoint of `slow` takes a second (its pickling sleeps; every cell touches it,
+    # so every checkpoint pickles it again). A grace longer than the gaps between these
+    # REST calls makes the five cells one burst, whatever this machine's speed.
+    gateway = make_gateway(KERNELHUB_GATEWAY__CHECKPOINT_GRACE=str(2 * UNIT), **IMAGE_ENV)
+    token = gateway.token(f"fred-{uuid.uuid4().hex[:6]}")
+    h = auth(token)
+    slow = (
+        "import time\nclass Slow:\n    n = 0\n    def __reduce__(self):\n"
+        "        time.sleep(1)\n        return (Slow, ())\nslow = Slow()"
+    )
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120 * UNIT) as http:
+        sid = await new_session(http, token)
+        await run(http, token, sid, slow)  # cell 1
+        await checkpointed(http, token, sid, 1)
+        t0 = time.monotonic()
+        ids = [(await run(http, token, sid, f"slow.n = {i}"))["id"] for i in range(2, 7)]
+        took = time.monotonic() - t0
+        # Before, each cell waited for the checkpoint of the one before it: >= 4 s.
+        assert took < 2 * UNIT, f"five cells took {took:.2f} s"
+        info = (await http.get(f"/v1/sessions/{sid}", headers=h)).json()
+        assert info["checkpoint_after_cell"] == 1, info  # the burst is not in one yet
+        # A crash now comes back to the checkpoint before the burst and names its cells.
+        died = await run(http, token, sid, "import os\nos._exit(3)")
+        recovery = (await ready_again(http, token, sid))["recovery"]
+        assert recovery["checkpoint_after_cell"] == 1, recovery
+        assert recovery["lost"] == [*ids, died["id"]], recovery
+        # Once idle, the burst gets one checkpoint, after its last cell.
+        await run(http, token, sid, "slow.n = 7")
+        await run(http, token, sid, "slow.n = 8")
+        t1 = time.monotonic()
+        await checkpointed(http, token, sid, 3)  # execution counts restart with the kernel
+        assert time.monotonic() - t1 >= 1.0  # it did pickle `slow`, once
+        r = await http.post(f"/v1/sessions/{sid}/rewind", json={"before_cell": 3}, headers=h)
+        assert r.status_code == 200, r.text
+        assert r.json()["checkpoint_after_cell"] == 1, r.json()
+        after = await run(http, token, sid, "print(slow.n if hasattr(slow, 'n') else None)")
+        said = await notices(gateway, token, sid, after["events"][-1]["seq"])
+        assert any("cell 2 ran back to back with cell 3" in n for n in said), said
+        await http.delete(f"/v1/sessions/{sid}", headers=h)

@@ -39,8 +39,7 @@ def test_concurrency_and_snapshot_charts_are_drawn(tmp_path: Path) -> None:
                 "snapshot": m / 100,
                 "dump": m / 120,
                 "load": m / 200,
-                "restore_total": 0.5 + m / 150,
-                "cold": 0.5,
+                "restore": m / 150,
             },
         )
         for m in (100, 10)

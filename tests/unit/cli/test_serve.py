@@ -114,3 +114,29 @@ def test_a_port_in_use_is_one_line_naming_the_flag() -> None:
         with pytest.raises(ConfigError) as caught:
             listen_socket("127.0.0.1", port)
     assert f"127.0.0.1:{port}" in str(caught.value) and "--port" in str(caught.value)
+
+
+async def test_connections_to_the_gateway_socket_have_nagle_off() -> None:
+    """asyncio sets TCP_NODELAY only on accepted sockets whose proto is TCP; with Nagle on,
+    a response written in two pieces waited ~40 ms for the client's delayed ACK."""
+    import asyncio
+    import socket
+
+    from kernelhub.cli.serve import listen_socket
+    from tests.conftest import eventually
+
+    accepted: list[int] = []
+
+    def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        accepted.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    sock = listen_socket("127.0.0.1", 0)
+    sock.listen()
+    server = await asyncio.start_server(connected, sock=sock)
+    async with server:
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        await eventually(lambda: bool(accepted), 5)
+        writer.close()
+    assert accepted and accepted[0] != 0

@@ -42,7 +42,10 @@ def test_what_the_kernel_writes_the_host_stores_verbatim_with_one_hash(tmp_path:
     size, sha256 = transfer.receive(host, tmp_path / "blob", 1 << 30, threading.Event(), FOREVER)
     writer.join()
     data = (tmp_path / "blob").read_bytes()
-    assert size == len(data) and sha256 == hashlib.sha256(data).hexdigest()
+    expected = transfer.new_digest(transfer.default_algorithm())
+    expected.update(memoryview(data))
+    assert size == len(data)
+    assert sha256 == transfer.labelled(transfer.default_algorithm(), expected)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:  # a plain tar
         assert tar.getnames() == ["groups/ab.pkl", "manifest.json"]
         member = tar.extractfile("groups/ab.pkl")
