@@ -263,6 +263,17 @@ class PoolSettings(BaseModel):
     refill_concurrency: int = Field(
         1, ge=1, le=8, description="sandboxes started at once while refilling"
     )
+    profiles: dict[str, int] = Field(
+        default_factory=dict,
+        description="a warm pool for each named profile (KERNELHUB_PROFILES__TIERS), with "
+        'its limits and isolation, by size, e.g. {"untrusted": 2}',
+    )
+    miss: Literal["starting", "wait"] = Field(
+        "starting",
+        description="a create that finds its pool empty: starting answers at once with the "
+        "session starting (its cells wait for its kernel; a failed start leaves it dead with "
+        "the reason); wait answers once its sandbox is up, as with no pool",
+    )
 
 
 class BatchSettings(BaseModel):

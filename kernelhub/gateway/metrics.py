@@ -134,8 +134,8 @@ class _LiveCollector(Collector):
             "kernelhub_pool_ready", "Warm sandboxes ready for new sessions", value=pool.ready
         )
         yield GaugeMetricFamily(
-            "kernelhub_pool_size", "Warm sandboxes the pool keeps (KERNELHUB_POOL__SIZE)",
-            value=pool.settings.size,
+            "kernelhub_pool_size", "Warm sandboxes the pools keep (KERNELHUB_POOL__SIZE, KERNELHUB_POOL__PROFILES)",
+            value=pool.size,
         )  # fmt: skip
         takes = CounterMetricFamily(
             "kernelhub_pool_takes", "Sessions created with the pool on, by whether a warm "
