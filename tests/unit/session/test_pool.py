@@ -158,5 +158,5 @@ def test_profile_pools_take_the_profiles_limits_and_fail_closed() -> None:
     gvisor = Settings.model_validate(
         {"profiles": {"tiers": {"g": {"isolation": "gvisor"}}}, "pool": {"profiles": {"g": 1}}}
     )
-    with pytest.raises(ConfigError, match="KERNELHUB_POOL__PROFILES: .*runsc"):
+    with pytest.raises(ConfigError, match=r"KERNELHUB_POOL__PROFILES: .*runsc"):
         pool_kinds(gvisor, "docker", frozenset({"runc"}))
