@@ -345,6 +345,8 @@ class SessionManager:
         """Start a session's own sandbox; True once it is ready. A failure leaves the
         session dead with the reason (raised too if ``fail``: the caller waits for it)."""
         try:
+            if not fail:
+                await self.pool.burst_answered()
             async with self.pool.session_start():
                 await self._make_room(live.limits)
                 spec = SandboxSpec(

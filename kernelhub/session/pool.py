@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections import deque
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 POOL_OWNER = "kernelhub-pool"
 _RETRY_INTERVAL = 2.0  # after a failed start; doubles up to _RETRY_MAX
 _RETRY_MAX = 60.0
+_SETTLE = 0.25  # quiet time after a take before a refill begins
 
 
 @dataclass(frozen=True)
@@ -88,26 +90,40 @@ def pool_kinds(settings: Settings, backend: str, runtimes: frozenset[str]) -> li
 
 
 class Demand:
-    """Sessions whose own sandbox is starting; refills wait while there are any."""
+    """Sessions whose own sandbox is starting, and when a pool last handed one out:
+    refills wait until neither happened for ``settle`` seconds (a burst is answered
+    before the pool's Docker calls compete with it for the cores)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settle: float = _SETTLE) -> None:
         self.count = 0
+        self.settle = settle
+        self.last = -math.inf  # monotonic time of the last take or session start
         self._quiet = asyncio.Event()
         self._quiet.set()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
 
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
         self.count += 1
         self._quiet.clear()
+        self.touch()
         try:
             yield
         finally:
             self.count -= 1
+            self.touch()
             if self.count == 0:
                 self._quiet.set()
 
     async def quiet(self) -> None:
-        await self._quiet.wait()
+        while True:
+            await self._quiet.wait()
+            wait = self.last + self.settle - time.monotonic()
+            if wait <= 0 and self._quiet.is_set():
+                return
+            await asyncio.sleep(max(wait, 0.0))
 
 
 class WarmPool:
@@ -162,6 +178,7 @@ class WarmPool:
 
     def take(self) -> KernelSession | None:
         """A ready kernel, or None (the caller starts one cold). Never blocks."""
+        self.demand.touch()
         while self._ready:
             kernel = self._ready.popleft()
             self._wanted.set()
@@ -276,12 +293,13 @@ class WarmPools:
         room: Callable[[int], bool],
         *,
         refill_concurrency: int = 1,
+        settle: float = _SETTLE,
     ) -> None:
         self.backend = backend
         self.engine = engine
         self.room = room
         self.refill_concurrency = refill_concurrency
-        self.demand = Demand()
+        self.demand = Demand(settle)
         self.pools: list[WarmPool] = []
 
     def add(self, kind: PoolKind) -> WarmPool:
@@ -319,6 +337,17 @@ class WarmPools:
     @property
     def misses(self) -> int:
         return sum(p.misses for p in self.pools)
+
+    async def burst_answered(self, gap: float = 0.02, most: float = 0.1) -> None:
+        """Return once no create took from a pool for ``gap`` seconds (at most ``most``
+        from now): a burst's cold starts begin after its answers went out, so their Docker
+        calls (threads that want the GIL, and dockerd's cores) do not delay those answers."""
+        deadline = time.monotonic() + most
+        while True:
+            wait = min(self.demand.last + gap, deadline) - time.monotonic()
+            if wait <= 0:
+                return
+            await asyncio.sleep(wait)
 
     def session_start(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Around a session's own cold start: refills wait until it is done."""

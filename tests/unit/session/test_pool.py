@@ -11,7 +11,15 @@ import pytest
 from kernelhub.config import EngineSettings, Limits, Settings
 from kernelhub.errors import ConfigError, SandboxStartError
 from kernelhub.session import pool as pool_module
-from kernelhub.session.pool import POOL_OWNER, PoolKind, WarmPool, WarmPools, pool_kinds
+from kernelhub.session.pool import (
+    POOL_OWNER,
+    Demand,
+    PoolKind,
+    WarmPool,
+    WarmPools,
+    pool_kinds,
+)
+from tests.conftest import eventually
 
 
 class FakeKernel:
@@ -45,6 +53,7 @@ def _pool(size: int, room: Any = lambda _: True) -> WarmPool:
         kind=PoolKind("", size, Limits()),
         engine=EngineSettings(),
         room=room,
+        demand=Demand(settle=0),
     )
 
 
@@ -115,7 +124,7 @@ async def test_each_kind_has_its_pool_and_refills_wait_for_sessions_starting(
     started: list[FakeKernel],
 ) -> None:
     small = Limits(memory_bytes=128 << 20)
-    pools = WarmPools(None, EngineSettings(), lambda _: True)  # type: ignore[arg-type]
+    pools = WarmPools(None, EngineSettings(), lambda _: True, settle=0)  # type: ignore[arg-type]
     pools.add(PoolKind("", 1, Limits()))
     pools.add(PoolKind("untrusted", 2, small, "runsc"))
     pools.start()
@@ -160,3 +169,16 @@ def test_profile_pools_take_the_profiles_limits_and_fail_closed() -> None:
     )
     with pytest.raises(ConfigError, match=r"KERNELHUB_POOL__PROFILES: .*runsc"):
         pool_kinds(gvisor, "docker", frozenset({"runc"}))
+
+
+async def test_refills_wait_until_the_burst_has_settled(started: list[FakeKernel]) -> None:
+    pools = WarmPools(None, EngineSettings(), lambda _: True, settle=0.2)  # type: ignore[arg-type]
+    pools.add(PoolKind("", 2, Limits()))
+    pools.start()
+    await _settle()
+    assert pools.ready == 2  # the first fill does not wait
+    assert pools.take(Limits()) is not None
+    await _settle()
+    assert len(started) == 2  # a take just happened: no refill yet
+    await eventually(lambda: len(started) == 3, timeout=5)
+    await pools.close()
