@@ -210,6 +210,12 @@ class GatewaySettings(BaseModel):
     revocation_check_interval: float = Field(
         2.0, gt=0, description="seconds between checks that open streams' tokens are still valid"
     )
+    loop_lag_interval: float = Field(
+        0.01,
+        ge=0,
+        description="seconds between the event loop's lag probes (kernelhub_loop_lag_seconds "
+        "on /metrics: how late a timer fires, i.e. how long something held the loop); 0: off",
+    )
     allowed_origins: list[str] = Field(
         default_factory=list,
         description="browser origins (`https://app.example.com`) allowed to call the gateway; "

@@ -64,11 +64,11 @@ def run(gen: Sliced[T]) -> T:
 # -- in ------------------------------------------------------------------------------
 
 
-def loads(data: bytes | memoryview, slice_bytes: int = SLICE) -> Sliced[Any]:
+def loads(data: bytes | memoryview, slice_bytes: int | None = None) -> Sliced[Any]:
     """``json.loads(data)`` of UTF-8 JSON, sliced. Raises ``ValueError`` where
     ``json.loads`` does (with another message). The text is never decoded as a whole:
     the structure is read from the bytes, and each string from its own bytes."""
-    n = slice_bytes
+    n = slice_bytes or SLICE
     if len(data) < 2 * n or bytes(data[:3]) == b"\xef\xbb\xbf":
         return json.loads(bytes(data))
     raw = bytes(data)
@@ -199,13 +199,13 @@ def safe_cut(s: bytes, a: int, b: int) -> int:
 
 
 def dumps(
-    obj: Any, whole: Callable[[], str] | None = None, slice_chars: int = SLICE
+    obj: Any, whole: Callable[[], str] | None = None, slice_chars: int | None = None
 ) -> Sliced[str]:
     """A compact ``json.dumps(obj, ensure_ascii=False)``, sliced: big strings (values or
     keys) are escaped ``slice_chars`` at a time. Strings that cannot be UTF-8 (lone
     surrogates) are written with ``\\u`` escapes. ``whole``: what to return for a
     document of too many values (``MAX_TOKENS``), made in one call; by default json's."""
-    n = slice_chars
+    n = slice_chars or SLICE
     nonce = uuid.uuid4().hex
     big: list[str] = []
     budget = [MAX_TOKENS]

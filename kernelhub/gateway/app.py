@@ -146,6 +146,7 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
         app.state.ready = False
         revocations: asyncio.Task[None] | None = None
         reaper: asyncio.Task[None] | None = None
+        lag: asyncio.Task[None] | None = None
         try:
             await manager.start()
             await batches.start()  # after the manager: it deletes leftover batch sessions
@@ -153,12 +154,14 @@ def create_app(settings: Settings, *, data_dir_lock: DataDirLock | None = None) 
                 streams.watch(valid, settings.gateway.revocation_check_interval)
             )
             reaper = asyncio.create_task(e2b.reap(app))  # sandboxes past their E2B timeout
+            if settings.gateway.loop_lag_interval > 0:
+                lag = asyncio.create_task(metrics.watch_loop(settings.gateway.loop_lag_interval))
             app.state.ready = True
             log.info("kernelhub gateway ready on the %s backend", backend.name)
             yield
         finally:
             app.state.ready = False
-            for task in (revocations, reaper):
+            for task in (revocations, reaper, lag):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
