@@ -122,13 +122,9 @@ def _object(s: bytes, pos: int, n: int) -> Generator[None, None, tuple[dict[str,
             raise ValueError(f"expecting ':' at byte {pos}")
         pos = _WS.match(s, pos + 1).end()  # type: ignore[union-attr]
         obj[key], pos = yield from _value(s, pos, n)
-        pos = _WS.match(s, pos).end()  # type: ignore[union-attr]
-        char = s[pos : pos + 1]
-        if char == b"}":
-            return obj, pos + 1
-        if char != b",":
-            raise ValueError(f"expecting ',' at byte {pos}")
-        pos = _WS.match(s, pos + 1).end()  # type: ignore[union-attr]
+        done, pos = _next_member(s, pos, b"}")
+        if done:
+            return obj, pos
 
 
 def _array(s: bytes, pos: int, n: int) -> Generator[None, None, tuple[list[Any], int]]:
@@ -139,13 +135,21 @@ def _array(s: bytes, pos: int, n: int) -> Generator[None, None, tuple[list[Any],
     while True:
         item, pos = yield from _value(s, pos, n)
         items.append(item)
-        pos = _WS.match(s, pos).end()  # type: ignore[union-attr]
-        char = s[pos : pos + 1]
-        if char == b"]":
-            return items, pos + 1
-        if char != b",":
-            raise ValueError(f"expecting ',' at byte {pos}")
-        pos = _WS.match(s, pos + 1).end()  # type: ignore[union-attr]
+        done, pos = _next_member(s, pos, b"]")
+        if done:
+            return items, pos
+
+
+def _next_member(s: bytes, pos: int, close: bytes) -> tuple[bool, int]:
+    """After a member of an object or array: (True, past ``close``) at its end, or
+    (False, the next member's start) after a comma."""
+    pos = _WS.match(s, pos).end()  # type: ignore[union-attr]
+    char = s[pos : pos + 1]
+    if char == close:
+        return True, pos + 1
+    if char != b",":
+        raise ValueError(f"expecting ',' at byte {pos}")
+    return False, _WS.match(s, pos + 1).end()  # type: ignore[union-attr]
 
 
 def _string(s: bytes, start: int, n: int) -> Generator[None, None, tuple[str, int]]:

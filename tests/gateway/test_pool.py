@@ -101,6 +101,18 @@ async def test_sessions_take_warm_sandboxes_that_are_never_reused(pooled: Gatewa
         assert 'kernelhub_pool_takes_total{result="hit"} 2.0' in metrics
 
 
+def _started(tmp_path: Path, **env: str) -> Gateway:
+    gw = Gateway(
+        tmp_path / "data", _run_dir(), KERNELHUB_GATEWAY__INSTANCE=f"{RUN_INSTANCE}-p", **env
+    )
+    gw.start()
+    return gw
+
+
+def _client(gw: Gateway, token: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT, headers=auth(token))
+
+
 def _remove_sandboxes() -> None:
     client = docker.from_env()
     for container in client.containers.list(all=True, filters={"label": LABEL_INSTANCE}):
@@ -117,18 +129,10 @@ async def _info(http: httpx.AsyncClient, sid: str) -> dict[str, Any]:
 async def test_a_burst_past_the_pool_answers_at_once_and_its_cells_wait_for_the_kernel(
     tmp_path: Path,
 ) -> None:
-    gw = Gateway(
-        tmp_path / "data",
-        _run_dir(),
-        KERNELHUB_POOL__SIZE="1",
-        KERNELHUB_GATEWAY__INSTANCE=f"{RUN_INSTANCE}-p",
-    )
-    gw.start()
+    gw = _started(tmp_path, KERNELHUB_POOL__SIZE="1")
     try:
         token = gw.token("bob")
-        async with httpx.AsyncClient(
-            base_url=gw.url, timeout=120 * UNIT, headers=auth(token)
-        ) as http:
+        async with _client(gw, token) as http:
             await _pool_ready(http, 1)
             answers = await asyncio.gather(
                 *(http.post("/v1/sessions", json={}, headers=auth(token)) for _ in range(3))
@@ -168,21 +172,16 @@ async def test_a_burst_past_the_pool_answers_at_once_and_its_cells_wait_for_the_
 
 async def test_a_profile_has_a_pool_of_its_own_with_its_limits(tmp_path: Path) -> None:
     small = 256 * 1024 * 1024
-    gw = Gateway(
-        tmp_path / "data",
-        _run_dir(),
+    gw = _started(
+        tmp_path,
         KERNELHUB_POOL__SIZE="0",
         KERNELHUB_POOL__PROFILES=json.dumps({"small": 1}),
         KERNELHUB_POOL__MISS="wait",
         KERNELHUB_PROFILES__TIERS=json.dumps({"small": {"limits": {"memory_bytes": small}}}),
-        KERNELHUB_GATEWAY__INSTANCE=f"{RUN_INSTANCE}-p",
     )
-    gw.start()
     try:
         token = gw.token("carol")
-        async with httpx.AsyncClient(
-            base_url=gw.url, timeout=120 * UNIT, headers=auth(token)
-        ) as http:
+        async with _client(gw, token) as http:
             await _pool_ready(http, 1)
             pooled = set(_containers().values())
             r = await http.post("/v1/sessions", json={"profile": "small"})
