@@ -327,8 +327,7 @@ class SessionManager:
             except BaseException:
                 await self.delete(principal, stored.id, client)
                 raise
-        if warm is not None:
-            await self._started(principal, live, t0, client, warm=True)
+        await self._started(principal, live, t0, client, warm=warm is not None)
         info = live.info(live.fanout.published_seq, self.store.ledger.session_bytes(stored.id))
         return info.model_copy(update={"restore": report}) if report else info
 
@@ -343,7 +342,8 @@ class SessionManager:
         fail: bool = False,
     ) -> bool:
         """Start a session's own sandbox; True once it is ready. A failure leaves the
-        session dead with the reason (raised too if ``fail``: the caller waits for it)."""
+        session dead with the reason. With ``fail`` the caller waits for it: a failure is
+        raised, and the caller declares the session started (after its restore)."""
         try:
             if not fail:
                 await self.pool.burst_answered()
@@ -370,7 +370,8 @@ class SessionManager:
             return False
         self.observer.on_start(time.monotonic() - t0)
         self._bind(live, kernel)
-        await self._started(principal, live, t0, client, warm=False)
+        if not fail:
+            await self._started(principal, live, t0, client, warm=False)
         return True
 
     async def _started(
