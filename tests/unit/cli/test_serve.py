@@ -114,3 +114,31 @@ def test_a_port_in_use_is_one_line_naming_the_flag() -> None:
         with pytest.raises(ConfigError) as caught:
             listen_socket("127.0.0.1", port)
     assert f"127.0.0.1:{port}" in str(caught.value) and "--port" in str(caught.value)
+
+
+async def test_connections_to_the_gateway_socket_have_nagle_off() -> None:
+    """Accepted through asyncio (as uvicorn does), a connection to the gateway's socket
+    has TCP_NODELAY: REST answers leave in two writes, and with Nagle on the second
+    waited for the client's delayed ACK (a steady 40 ms on a kept-alive connection)."""
+    import asyncio
+    import socket
+
+    from kernelhub.cli.serve import listen_socket
+
+    nodelay: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        nodelay.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    sock = listen_socket("127.0.0.1", 0)
+    server = await asyncio.start_server(accepted, sock=sock)
+    async with server:
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        try:
+            got = await asyncio.wait_for(nodelay, 5)
+        finally:
+            writer.close()
+            await writer.wait_closed()
+    assert got != 0
