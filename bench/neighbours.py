@@ -47,14 +47,22 @@ ATTACKS: list[tuple[str, str]] = [
         "    display({'text/plain': str(i)}, raw=True, metadata={'m': 'm' * 20_000_000})",
     ),
     ("20 MB exception", "raise Exception('x' * 20_000_000)"),
+    (
+        "3 x 7 MB displays, one streaming reader",
+        "from IPython.display import display\nfor i in range(3):\n"
+        "    display({'text/html': 'h' * 7_000_000, 'text/plain': str(i)}, raw=True)",
+    ),
     ("100k clear_output", "from IPython.display import clear_output\nfor i in range(100_000):\n    clear_output()"),
     ("30 stalled readers, 100 MB printed", STDOUT_FLOOD),
 ]  # fmt: skip
 STALLED_READERS = 30
 HEADER = [
     "attack", "outcome", "samples", "p50", "p99", "max", "/healthz max",
-    "gateway RSS growth", "on target",
+    "loop lag > 5 ms", "longest loop lag", "gateway RSS growth", "on target",
 ]  # fmt: skip
+# Slicing off in the gateway (--unsliced): every message through json in one call, as
+# before kernelhub.jsonslices, to compare the loop lag of the same code with and without.
+UNSLICED = "import kernelhub.jsonslices as j\nj.SLICE = 1 << 40\n"
 
 
 @dataclass
@@ -68,6 +76,8 @@ class Outcome:
     dropped_events: int = 0
     seconds: float = 0.0
     healthz_max: float = 0.0
+    lag_over_5ms: int = 0  # loop lag samples over 5 ms during the attack
+    lag_bound: float = 0.0  # the longest loop lag was at most this (a histogram bucket)
 
 
 class Neighbour:
@@ -133,6 +143,40 @@ def stalled_reader(port: int, path: str, token: str) -> socket.socket:
     return sock
 
 
+async def loop_lag(http: httpx.AsyncClient) -> dict[str, float]:
+    """The gateway's loop-lag histogram (kernelhub_loop_lag_seconds): count per bucket."""
+    text = (await http.get("/metrics")).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kernelhub_loop_lag_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            out[le] = float(line.split()[-1])
+        elif line.startswith("kernelhub_loop_lag_seconds_count"):
+            out["count"] = float(line.split()[-1])
+    return out
+
+
+def reading_reader(gw: Gateway, sid: str, token: str) -> socket.socket:
+    """A WebSocket client that reads everything (in a thread of its own), so every event
+    is also framed for a live subscriber."""
+    import threading
+
+    from websockets.sync.client import connect
+
+    ws = connect(
+        f"{gw.ws_url}/v1/sessions/{sid}/stream",
+        additional_headers={"Authorization": f"Bearer {token}"}, max_size=None,
+    )  # fmt: skip
+
+    def drain() -> None:
+        with contextlib.suppress(Exception):
+            while True:
+                ws.recv()
+
+    threading.Thread(target=drain, daemon=True).start()
+    return ws.socket
+
+
 async def new_token(gw: Gateway, name: str) -> str:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kernelhub.cli", "token", "create", "--name", name,
@@ -152,7 +196,10 @@ async def attack(
         path = f"/v1/sessions/{sid}/stream"
         for _ in range(STALLED_READERS):
             readers.append(await asyncio.to_thread(stalled_reader, gw.port, path, token))
+    if "streaming reader" in name:
+        readers.append(await asyncio.to_thread(reading_reader, gw, sid, token))
     neighbour.into = out.latencies
+    lag_before = await loop_lag(attacker)
     tasks = [
         asyncio.create_task(sample_rss(gw, gw.rss(), out)),
         asyncio.create_task(probe_healthz(attacker, out)),
@@ -176,6 +223,11 @@ async def attack(
             out.status = "did not finish"
         out.seconds = time.perf_counter() - t0
         await asyncio.sleep(1.0)  # what the gateway still holds just after
+        lag_after = await loop_lag(attacker)
+        diff = {le: lag_after[le] - lag_before.get(le, 0) for le in lag_after}
+        total = diff.pop("count", 0)
+        out.lag_over_5ms = int(total - diff.get("0.005", 0))
+        out.lag_bound = min((float(le) for le, n in diff.items() if n >= total), default=0.0)
     finally:
         for task in tasks:
             task.cancel()
@@ -206,6 +258,8 @@ def render(outcomes: list[Outcome], machine: list[tuple[str, str]], failures: in
                 ms(p99),
                 ms(max(lat)),
                 ms(o.healthz_max),
+                str(o.lag_over_5ms),
+                f"≤ {ms(o.lag_bound)}" if o.lag_bound else "n/a",
                 f"{o.rss_growth / MiB:.0f} MiB",
                 "yes" if ok else "no",
             ]
@@ -233,7 +287,7 @@ def render(outcomes: list[Outcome], machine: list[tuple[str, str]], failures: in
     return "\n".join(lines)
 
 
-async def main(out_path: Path | None, only: str | None = None) -> str:
+async def main(out_path: Path | None, only: str | None = None, unsliced: bool = False) -> str:
     import docker
 
     client = docker.from_env()
@@ -245,6 +299,11 @@ async def main(out_path: Path | None, only: str | None = None) -> str:
     with tempfile.TemporaryDirectory(prefix="kh-neighbours-") as tmp:
         instance = f"nb-{uuid.uuid4().hex[:8]}"
         env = {"KERNELHUB_POOL__SIZE": "0", "KERNELHUB_RUN_DIR": f"/tmp/khnb-{instance}"}
+        if unsliced:
+            shim = Path(tmp) / "shim"
+            shim.mkdir()
+            (shim / "sitecustomize.py").write_text(UNSLICED)
+            env["PYTHONPATH"] = os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")])
         gw = await Gateway.launch(Path(tmp), instance=instance, env=env)
         try:
             attacker_token = gw.headers["Authorization"].split()[1]
@@ -301,5 +360,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the Markdown here")
     parser.add_argument("--only", default=None, help="run the attacks whose name has this")
+    parser.add_argument(
+        "--unsliced", action="store_true",
+        help="the gateway with kernelhub.jsonslices off (json in one call): the before",
+    )  # fmt: skip
     args = parser.parse_args()
-    print(asyncio.run(main(args.out, args.only)))
+    print(asyncio.run(main(args.out, args.only, args.unsliced)))

@@ -237,6 +237,12 @@ class GatewaySettings(BaseModel):
     revocation_check_interval: float = Field(
         2.0, gt=0, description="seconds between checks that open streams' tokens are still valid"
     )
+    loop_lag_interval: float = Field(
+        0.01,
+        ge=0,
+        description="seconds between the event loop's lag probes (kernelhub_loop_lag_seconds "
+        "on /metrics: how late a timer fires, i.e. how long something held the loop); 0: off",
+    )
     allowed_origins: list[str] = Field(
         default_factory=list,
         description="browser origins (`https://app.example.com`) allowed to call the gateway; "
@@ -289,6 +295,17 @@ class PoolSettings(BaseModel):
     )
     refill_concurrency: int = Field(
         1, ge=1, le=8, description="sandboxes started at once while refilling"
+    )
+    profiles: dict[str, int] = Field(
+        default_factory=dict,
+        description="a warm pool for each named profile (KERNELHUB_PROFILES__TIERS), with "
+        'its limits and isolation, by size, e.g. {"untrusted": 2}',
+    )
+    miss: Literal["starting", "wait"] = Field(
+        "starting",
+        description="a create that finds its pool empty: starting answers at once with the "
+        "session starting (its cells wait for its kernel; a failed start leaves it dead with "
+        "the reason); wait answers once its sandbox is up, as with no pool",
     )
 
 

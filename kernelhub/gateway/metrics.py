@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from kernelhub.session.batches import BatchRunner
     from kernelhub.session.manager import SessionManager
 
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -55,10 +57,31 @@ class Metrics:
             "fast (to the kernel from the frame's own receive callback) or queued (ASGI)",
             ["path"], registry=self.registry,
         )  # fmt: skip
+        self.loop_lag_seconds = Histogram(
+            "kernelhub_loop_lag_seconds", "How late the event loop ran a timer (see "
+            "KERNELHUB_GATEWAY__LOOP_LAG_INTERVAL): the time one callback held the loop",
+            buckets=_LAG_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.loop_lag_max = 0.0
+        Gauge(
+            "kernelhub_loop_lag_max_seconds", "The longest loop lag seen since the gateway "
+            "started", registry=self.registry,
+        ).set_function(lambda: self.loop_lag_max)  # fmt: skip
         self.batch_items = Counter(
             "kernelhub_batch_items", "Finished batch items by status", ["status"],
             registry=self.registry,
         )  # fmt: skip
+
+    async def watch_loop(self, interval: float) -> None:
+        """Until cancelled: sleep ``interval``, and record how much later than asked the
+        loop woke us (a callback that held it: an 8 MiB encode was one, issue #16)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time() + interval
+            await asyncio.sleep(interval)
+            lag = max(loop.time() - asked, 0.0)
+            self.loop_lag_seconds.observe(lag)
+            self.loop_lag_max = max(self.loop_lag_max, lag)
 
     def on_final(self, record: ExecutionRecord) -> None:
         self.executions.labels(record.status.value).inc()
@@ -134,8 +157,8 @@ class _LiveCollector(Collector):
             "kernelhub_pool_ready", "Warm sandboxes ready for new sessions", value=pool.ready
         )
         yield GaugeMetricFamily(
-            "kernelhub_pool_size", "Warm sandboxes the pool keeps (KERNELHUB_POOL__SIZE)",
-            value=pool.settings.size,
+            "kernelhub_pool_size", "Warm sandboxes the pools keep (KERNELHUB_POOL__SIZE, KERNELHUB_POOL__PROFILES)",
+            value=pool.size,
         )  # fmt: skip
         takes = CounterMetricFamily(
             "kernelhub_pool_takes", "Sessions created with the pool on, by whether a warm "

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from kernelhub import jsonslices
 from kernelhub.export import to_html, to_notebook
 from kernelhub.gateway.auth import admin, client_address, metrics_reader, principal
 from kernelhub.gateway.openapi import WS_SCHEMA_PATH
@@ -203,7 +204,7 @@ async def resume_session(session_id: str, request: Request, caller: Caller) -> S
 )
 async def create_execution(
     session_id: str, body: ExecutionCreate, request: Request, caller: Caller
-) -> JSONResponse:
+) -> Response:
     """Run code. With ``wait`` the answer is the finished execution (200); otherwise 202
     with the execution to poll or stream. A repeated ``idempotency_key`` returns the first
     execution and runs nothing."""
@@ -221,16 +222,27 @@ async def create_execution(
     else:
         row, events = await m.execution(caller, row.id)
         info = execution_info(row, events)
-    return JSONResponse(info.model_dump(mode="json"), status_code=200 if row.record else 202)
+    return await _execution_answer(info, 200 if row.record else 202)
 
 
-@router.get("/v1/executions/{execution_id}", responses=refusals(404, 422), tags=["executions"])
+@router.get(
+    "/v1/executions/{execution_id}",
+    responses={**refusals(404, 422), 200: {"model": ExecutionInfo}},
+    tags=["executions"],
+)
 async def get_execution(
     execution_id: str, request: Request, caller: Caller, events: bool = True
-) -> ExecutionInfo:
+) -> Response:
     """``events=false`` answers with the status and record only (cheap polling)."""
     row, outputs = await manager(request).execution(caller, execution_id, events=events)
-    return execution_info(row, outputs)
+    return await _execution_answer(execution_info(row, outputs), 200)
+
+
+async def _execution_answer(info: ExecutionInfo, status: int) -> Response:
+    """An execution as JSON, written a slice at a time when its events are big (one
+    8 MiB output in one json.dumps held the loop for every tenant, issue #16)."""
+    body = await jsonslices.drive(jsonslices.dumps(info.model_dump(mode="json")))
+    return Response(body.encode(), status_code=status, media_type="application/json")
 
 
 @router.post(

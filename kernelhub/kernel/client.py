@@ -22,9 +22,16 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kernelhub.errors import KernelError
+from kernelhub import jsonslices
+from kernelhub.errors import KernelError, KernelMessageError
 from kernelhub.execution.collector import OVERSIZED_KEY, WIRE_BYTES_KEY
-from kernelhub.kernel.codec import Codec, claimed_parent, split_identities
+from kernelhub.kernel.codec import (
+    JSON_FRAMES,
+    Codec,
+    claimed_parent,
+    must_be_object,
+    split_identities,
+)
 from kernelhub.kernel.connection import SessionDir
 
 # The in-kernel helper splits stream output into messages of at most 1 MiB and cuts any
@@ -35,8 +42,8 @@ from kernelhub.kernel.connection import SessionDir
 MAX_FRAME_BYTES = 8 * 1024 * 1024 + 256 * 1024
 MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 256 * 1024
 RECEIVE_QUEUE_MESSAGES = 8
-# Messages larger than this are verified and decoded in a worker thread: hashlib
-# releases the GIL while it checks the signature of a few MiB.
+# Messages larger than this are verified in a worker thread (hashlib releases the GIL
+# while it checks the signature of a few MiB) and parsed a slice at a time (jsonslices).
 _DECODE_OFF_LOOP_BYTES = 1024 * 1024
 
 # No heartbeat channel: the sandbox backend reports the kernel's death faster and more
@@ -123,12 +130,25 @@ class Receiver:
         if total > MAX_MESSAGE_BYTES:
             return {OVERSIZED_KEY: total, "parent_header": claimed_parent(views)}
         if total > _DECODE_OFF_LOOP_BYTES:
-            msg = await asyncio.to_thread(self.codec.decode, views)
+            msg = await self._decode_large(views)
         else:
             msg = self.codec.decode(views)
         _, parts = split_identities(views)
         msg[WIRE_BYTES_KEY] = sum(len(p) for p in parts[3:])
         return msg
+
+    async def _decode_large(self, views: list[memoryview]) -> dict[str, Any]:
+        """Verified in a worker thread (hashlib lets the loop run meanwhile), parsed on
+        the loop a slice at a time (json would hold the GIL for the whole frame)."""
+        parts = await asyncio.to_thread(self.codec.verified, views)
+        values = []
+        for index, name in JSON_FRAMES:
+            try:
+                value = await jsonslices.drive(jsonslices.loads(parts[index]))
+            except ValueError as exc:  # bad JSON or bad UTF-8
+                raise KernelMessageError(f"kernel message {name} is not JSON: {exc}") from exc
+            values.append(must_be_object(value, name))
+        return self.codec.assemble(parts, values)
 
     def reset(self) -> None:
         with contextlib.suppress(zmq.ZMQError):

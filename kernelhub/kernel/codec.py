@@ -43,6 +43,7 @@ MAX_BUFFERS = 64
 DIGEST_HISTORY = 1 << 16
 # The four JSON frames come after the signature.
 _PARTS = 5
+JSON_FRAMES = ((1, "header"), (2, "parent_header"), (3, "metadata"), (4, "content"))
 
 Frame = bytes | memoryview
 
@@ -133,6 +134,14 @@ class Codec:
         unsigned, signed with another key, replayed, not JSON objects, or of another
         protocol version. Buffers come back as memoryviews of the frames given.
         """
+        parts = self.verified(frames)
+        return self.assemble(parts, [unpack(parts[i], name) for i, name in JSON_FRAMES])
+
+    def verified(self, frames: Sequence[Frame]) -> list[Frame]:
+        """The parts after the delimiter of a message whose size, frame count and
+        signature are checked (and remembered against replays); its JSON frames are not
+        parsed yet. The first half of :meth:`decode`, for a caller that parses them
+        itself (``kernel.client`` parses a large one a slice at a time)."""
         total = sum(len(f) for f in frames)
         if total > self.max_message_bytes:
             raise KernelMessageError(
@@ -153,7 +162,12 @@ class Codec:
         if not hmac.compare_digest(signature, self.sign(parts[1:_PARTS])):
             raise KernelMessageError("kernel message with an invalid signature")
         self._remember(signature)
-        header = _unpack(parts[1], "header")
+        return parts
+
+    def assemble(self, parts: Sequence[Frame], values: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The message of :meth:`verified` ``parts`` whose JSON frames parsed to
+        ``values`` (header, parent_header, metadata, content: see :func:`unpack`)."""
+        header, parent, metadata, content = values
         msg_type = header.get("msg_type")
         msg_id = header.get("msg_id")
         if not isinstance(msg_type, str) or not isinstance(msg_id, str):
@@ -167,9 +181,9 @@ class Codec:
             "header": header,
             "msg_id": msg_id,
             "msg_type": msg_type,
-            "parent_header": _unpack(parts[2], "parent_header"),
-            "metadata": _unpack(parts[3], "metadata"),
-            "content": _unpack(parts[4], "content"),
+            "parent_header": parent,
+            "metadata": metadata,
+            "content": content,
             "buffers": [memoryview(b) for b in parts[_PARTS:]],
         }
 
@@ -187,16 +201,21 @@ def claimed_parent(frames: Sequence[Frame]) -> dict[str, Any]:
     keep (its signature cannot be checked without all of it); ``{}`` if unreadable."""
     try:
         _, parts = split_identities(frames)
-        return _unpack(parts[2], "parent_header")
+        return unpack(parts[2], "parent_header")
     except (KernelMessageError, IndexError):
         return {}
 
 
-def _unpack(frame: Frame, name: str) -> dict[str, Any]:
+def unpack(frame: Frame, name: str) -> dict[str, Any]:
+    """JSON frame ``name`` of a message: an object, or ``KernelMessageError``."""
     try:
         value = json.loads(bytes(frame))
     except ValueError as exc:  # bad JSON or bad UTF-8
         raise KernelMessageError(f"kernel message {name} is not JSON: {exc}") from exc
+    return must_be_object(value, name)
+
+
+def must_be_object(value: Any, name: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise KernelMessageError(
             f"kernel message {name} is a {type(value).__name__}, not an object"

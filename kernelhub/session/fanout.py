@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
+from pydantic import BaseModel
+
+from kernelhub import jsonslices
 from kernelhub.models import QUIET_EVENT_TYPES, Event
 from kernelhub.store.base import Store
 
@@ -32,6 +37,29 @@ class Published(NamedTuple):
     body: str  # the event as JSON
     kind: str  # the event's type: "stream", "result", "final", ...
     prev: int = 0  # the seq published just before (0: none, or unknown): see kernelhub.replay
+
+
+def big_event(event: Event) -> bool:
+    """Whether ``event`` holds strings of a few slices (``jsonslices``): counted on the
+    model, without serializing it, and cheaply (the common event is small)."""
+    budget = [2 * jsonslices.SLICE, 2000]  # characters, then values looked at
+
+    def over(value: object) -> bool:
+        budget[1] -= 1
+        if budget[1] < 0:
+            return False  # many small values: one call anyway (see jsonslices)
+        if isinstance(value, str):
+            budget[0] -= len(value)
+            return budget[0] < 0
+        if isinstance(value, dict):
+            return any(over(k) or over(v) for k, v in value.items())
+        if isinstance(value, list | tuple):
+            return any(over(v) for v in value)
+        if isinstance(value, BaseModel):
+            return any(over(v) for v in value.__dict__.values())
+        return False
+
+    return over(event)
 
 
 class Subscriber:
@@ -120,12 +148,38 @@ class SessionFanout:
         self._held: list[Published] = []  # waiting for the rows ahead of them
         self._failed: list[Published] = []  # of the commit that just failed, in order
         self._retry: asyncio.TimerHandle | None = None
+        self._to_encode: deque[tuple[Event, int]] = deque()  # big events, in order
+        self._encoding: asyncio.Task[None] | None = None  # slicing them, one at a time
 
     def publish(self, event: Event) -> None:
-        item = Published(
-            event.seq, event.execution_id, event.model_dump_json(), event.type, self._published_seq
-        )
-        self._published_seq = max(self._published_seq, event.seq)
+        prev, self._published_seq = self._published_seq, max(self._published_seq, event.seq)
+        if self._encoding is None and not big_event(event):
+            self._enqueue(
+                Published(event.seq, event.execution_id, event.model_dump_json(), event.type, prev)
+            )
+            return
+        # Serialized a slice at a time (one 8 MiB event was a 15-50 ms stall of the loop
+        # in model_dump_json); what is published meanwhile waits behind it, in order.
+        self._to_encode.append((event, prev))
+        if self._encoding is None:
+            self._encoding = asyncio.get_running_loop().create_task(self._encode_big())
+
+    async def _encode_big(self) -> None:
+        try:
+            while self._to_encode:
+                event, prev = self._to_encode.popleft()
+                try:
+                    body = await jsonslices.drive(
+                        jsonslices.dumps(event.model_dump(mode="json"), event.model_dump_json)
+                    )
+                except Exception:  # never lose an event to the slicing: the whole way
+                    log.exception("session %s: slicing event %d failed", self.session_id, event.seq)
+                    body = json.dumps(event.model_dump(mode="json"), default=str)
+                self._enqueue(Published(event.seq, event.execution_id, body, event.type, prev))
+        finally:
+            self._encoding = None
+
+    def _enqueue(self, item: Published) -> None:
         if self._held or (self._inflight and self.store.pending_commit != self._commit):
             self._held.append(item)
         else:
@@ -141,7 +195,11 @@ class SessionFanout:
     def joins_this_commit(self) -> bool:
         """Whether everything published so far is stored or in this loop turn's commit
         (nothing held back): a write the caller adds now is committed with, or after, it."""
-        return not self._held and (not self._inflight or self.store.pending_commit == self._commit)
+        return (
+            self._encoding is None
+            and not self._held
+            and (not self._inflight or self.store.pending_commit == self._commit)
+        )
 
     def subscribe(self, budget_bytes: int) -> Subscriber:
         sub = Subscriber(budget_bytes)
@@ -224,6 +282,8 @@ class SessionFanout:
             await asyncio.wait_for(self.flush(), 10)
         if self._retry is not None:
             self._retry.cancel()
+        if self._encoding is not None:
+            self._encoding.cancel()
         for sub in list(self.subscribers):
             sub.closed = True
             sub.overflowed = True

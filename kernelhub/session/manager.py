@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -32,18 +31,17 @@ from kernelhub.cluster.failover import Failover
 from kernelhub.config import Limits, Settings
 from kernelhub.egress.sessions import EgressSessions
 from kernelhub.errors import (
-    InvalidRequestError,
     KernelhubError,
     NotFoundError,
-    QuotaError,
 )
 from kernelhub.execution.engine import KernelSession
 from kernelhub.models import ExecutionStatus
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
+from kernelhub.session.admission import admit, alive
 from kernelhub.session.continuity import Continuity
 from kernelhub.session.live import LiveSession, execution_info, held, in_flight_bytes, session_info
 from kernelhub.session.operations import Operations
-from kernelhub.session.pool import WarmPool
+from kernelhub.session.pool import PoolKind, WarmPools, pool_kinds
 from kernelhub.session.recorder import Observer, Recorder
 from kernelhub.session.recovery import SessionRecovery, final_out
 from kernelhub.session.salvage import CellSalvage, open_spool
@@ -54,7 +52,6 @@ from kernelhub.store.quota import StorageGuard
 from kernelhub.store.records import AuditEntry, Principal, StoredSession
 from kernelhub.store.retention import RetentionSweeper
 from kernelhub.wire import (
-    MAX_METADATA_BYTES,
     LimitsIn,
     SessionCreate,
     SessionInfo,
@@ -94,9 +91,11 @@ class SessionManager:
         self.memory_budget = (
             budget if budget is not None else int(psutil.virtual_memory().total * 0.8)
         )
-        self.pool = WarmPool(
-            backend, settings.pool, settings.limits, self.settings.engine, room=self._pool_room
-        )
+        self.pool = WarmPools(
+            backend, self.settings.engine, self._pool_room,
+            refill_concurrency=settings.pool.refill_concurrency,
+        )  # fmt: skip
+        self.pool.add(PoolKind("", settings.pool.size, settings.limits))
         self.continuity = Continuity(
             self.settings, backend, store, self.recorder, self.blobs, self.storage,
             bind=self._bind, spawn=self._spawn,
@@ -186,6 +185,10 @@ class SessionManager:
             )
             log.info("re-adopted session %s", stored.id)
         await self.backend.reap_orphans()
+        if self.settings.pool.profiles:
+            kinds = pool_kinds(self.settings, self.backend.name, await self.backend.runtimes())
+            for kind in kinds[1:]:
+                self.pool.add(kind)
         self.pool.start()  # after the reap, which would take its sandboxes for orphans
         self._spawn(self.continuity.hibernate_idle(self.sessions.values))
         self._spawn(self.retention.run())
@@ -272,45 +275,12 @@ class SessionManager:
             if self.egress
             else None
         )
-        alive = self._alive()
-        g = self.settings.gateway
-        if len(alive) >= g.max_sessions:
-            raise QuotaError(
-                f"the gateway runs its maximum of {g.max_sessions} sessions; retry later",
-                retry_after=10,
-            )
-        # Dead sessions hold no sandbox any more, but they count until deleted: a
-        # principal cannot pile them up by crashing kernels.
-        mine = [
-            s
-            for s in self.sessions.values()
-            if s.stored.owner == principal.name and s.phase != SessionState.DELETED
-        ]
-        if len(mine) >= g.max_sessions_per_principal:
-            dead = sum(s.phase == SessionState.DEAD for s in mine)
-            raise QuotaError(
-                f"you have {len(mine)} sessions ({dead} of them dead), the most allowed per "
-                "token (KERNELHUB_GATEWAY__MAX_SESSIONS_PER_PRINCIPAL); delete one first "
-                "(DELETE /v1/sessions/{id}, `kernelhub sessions rm`)",
-                retry_after=10,
-            )
-        # Pooled sandboxes give way to sessions: they are not counted here, and a cold
-        # start that needs their memory stops one (below).
-        committed = sum(s.limits.memory_bytes for s in alive)
-        if committed + limits.memory_bytes > self.memory_budget:
-            raise QuotaError(
-                "the host's memory budget is committed to other sessions; retry later or ask for less memory",
-                retry_after=10,
-            )
-        # Measured as stored: the JSON text's bytes.
-        size = len(json.dumps(body.metadata).encode())
-        if size > MAX_METADATA_BYTES:
-            raise InvalidRequestError(
-                f"metadata is {size} bytes of JSON, larger than {MAX_METADATA_BYTES // 1024} KiB; "
-                "store less"
-            )
+        admit(
+            self.settings.gateway, self.sessions.values(), principal.name, limits,
+            body.metadata, self.memory_budget,
+        )  # fmt: skip
         t0 = time.monotonic()
-        warm = self.pool.take(limits) if runtime is None else None
+        warm = self.pool.take(limits, runtime)
         stored = StoredSession(
             id=warm.id if warm else uuid.uuid4().hex[:16],
             owner=principal.name,
@@ -333,77 +303,99 @@ class SessionManager:
         policy = self.settings.gateway.checkpoints if body.checkpoints is None else body.checkpoints
         live.checkpoint_policy = policy if isinstance(policy, str) else float(policy)
         self.sessions[stored.id] = live
-        try:
-            if warm is not None:
-                kernel = warm
-            else:
-                await self._make_room(limits)
-                kernel = await KernelSession.start(
-                    self.backend,
-                    SandboxSpec(
-                        session_id=stored.id, owner=principal.name, limits=limits, runtime=runtime
-                    ),
-                    engine=self.settings.engine,
-                )
-        except KernelhubError as exc:
-            await self._mark_dead(live, f"the sandbox failed to start: {exc}")
-            await self.recorder.audit(
-                AuditEntry(
-                    principal=principal.name,
-                    action="session.create",
-                    session_id=stored.id,
-                    status="failed",
-                    client=client,
-                    detail={"error": str(exc)},
-                )
-            )
-            raise
-        self.observer.on_start(time.monotonic() - t0)
-        self._bind(live, kernel)
+        if warm is not None:
+            self._bind(live, warm)
+            self.observer.on_start(time.monotonic() - t0)
+        elif self.pool.enabled and self.settings.pool.miss == "starting" and not body.from_snapshot:
+            # The pool is empty: answer now, the session starting; its cells wait for it.
+            self._spawn(self._start_cold(principal, live, runtime, t0, client))
+            return live.info(0, 0)
+        elif not await self._start_cold(principal, live, runtime, t0, client, fail=True):
+            raise closed_error(stored.id, live.phase, live.reason)  # deleted while starting
         report = None
-        if body.from_snapshot is not None:
+        if body.from_snapshot is not None and live.kernel is not None:
             try:
                 report = await self.continuity.restore_into(
-                    principal, live, kernel, body.from_snapshot
+                    principal, live, live.kernel, body.from_snapshot
                 )
             except BaseException:
                 await self.delete(principal, stored.id, client)
                 raise
+        await self._started(principal, live, t0, client, warm=warm is not None)
+        info = live.info(live.fanout.published_seq, self.store.ledger.session_bytes(stored.id))
+        return info.model_copy(update={"restore": report}) if report else info
+
+    async def _start_cold(
+        self,
+        principal: Principal,
+        live: LiveSession,
+        runtime: str | None,
+        t0: float,
+        client: str | None,
+        *,
+        fail: bool = False,
+    ) -> bool:
+        """Start a session's own sandbox; True once it is ready. A failure leaves the
+        session dead with the reason. With ``fail`` the caller waits for it: a failure is
+        raised, and the caller declares the session started (after its restore)."""
+        try:
+            if not fail:
+                await self.pool.burst_answered()
+            async with self.pool.session_start():
+                await self._make_room(live.limits)
+                spec = SandboxSpec(
+                    session_id=live.id, owner=principal.name, limits=live.limits, runtime=runtime
+                )
+                kernel = await KernelSession.start(self.backend, spec, engine=self.settings.engine)
+        except KernelhubError as exc:
+            await self._mark_dead(live, f"the sandbox failed to start: {exc}")
+            await self.recorder.audit(
+                AuditEntry(
+                    principal=principal.name, action="session.create", session_id=live.id,
+                    status="failed", client=client, detail={"error": str(exc)},
+                )
+            )  # fmt: skip
+            if fail:
+                raise
+            log.warning("session %s failed to start: %s", live.id, exc)
+            return False
+        if live.phase != SessionState.STARTING:  # deleted while it started
+            await kernel.close()
+            return False
+        self.observer.on_start(time.monotonic() - t0)
+        self._bind(live, kernel)
+        if not fail:
+            await self._started(principal, live, t0, client, warm=False)
+        return True
+
+    async def _started(
+        self, principal: Principal, live: LiveSession, t0: float, client: str | None, *, warm: bool
+    ) -> None:
         live.move(Transition.STARTED)
-        if warm is None:
+        if not warm:  # a warm session's row was inserted ready
             await self.recorder.phase(live)
         await self.recorder.audit(
             AuditEntry(
-                principal=principal.name,
-                action="session.create",
-                session_id=stored.id,
-                status="ok",
-                client=client,
-                duration=time.monotonic() - t0,
+                principal=principal.name, action="session.create", session_id=live.id,
+                status="ok", client=client, duration=time.monotonic() - t0,
                 detail={"warm": True} if warm else None,
             )
-        )
-        info = await self.info(principal, stored.id)
-        return info.model_copy(update={"restore": report}) if report else info
+        )  # fmt: skip
 
     def _alive(self) -> list[LiveSession]:
-        return [
-            s
-            for s in self.sessions.values()
-            if s.phase not in (SessionState.DEAD, SessionState.DELETED)
-        ]
+        return alive(self.sessions.values())
 
     def load(self) -> tuple[int, int]:
         """Live sessions and the memory committed to them and the pool (for heartbeats)."""
-        alive = self._alive()
-        return len(alive), sum(s.limits.memory_bytes for s in alive) + self.pool.committed_bytes
+        running = self._alive()
+        return len(running), sum(s.limits.memory_bytes for s in running) + self.pool.committed_bytes
 
-    def _pool_room(self) -> bool:
+    def _pool_room(self, memory_bytes: int) -> bool:
         """Whether one more pooled sandbox fits: never at the expense of a session."""
         sessions, committed = self.load()
         if sessions + self.pool.held >= self.settings.gateway.max_sessions:
             return False
-        return committed + self.pool.limits.memory_bytes <= self.memory_budget
+        return committed + memory_bytes <= self.memory_budget
 
     async def _make_room(self, limits: Limits) -> None:
         """Stop pooled sandboxes whose memory a cold-started session needs."""

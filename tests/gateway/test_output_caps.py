@@ -158,3 +158,45 @@ async def test_an_oversized_raw_message_becomes_a_named_truncation(
     assert record["duration"] < 30
     after = await run(http, token, sid, "print('next cell')")
     assert stdout(after) == "next cell\n", "the session keeps working"
+
+
+async def test_big_messages_stream_whole_and_in_order_through_the_sliced_codec(
+    shared_gateway: Gateway, http: httpx.AsyncClient, token: str
+) -> None:
+    """A 3M-character display (~5.5 MB of JSON) and a 2 MB exception are decoded and encoded a slice at a
+    time on the gateway (kernelhub.jsonslices): their frames still arrive whole, in order
+    between the small ones around them, escapes and non-ASCII intact."""
+    from websockets.asyncio.client import connect
+
+    sid = await new_session(http, token, limits={"output_bytes": 32 * MiB})
+    code = (
+        "from IPython.display import display\n"
+        "print('before')\n"
+        "blob = ('iVBOR\\\\\"\\n\\té€😀' * 400_000)[:3_000_000]\n"
+        "display({'text/html': blob, 'text/plain': 'img'}, raw=True,"
+        " metadata={'note': '\\x01' + blob[:300_000]})\n"
+        "print('between')\n"
+        "raise ValueError('v' * 2_000_000)\n"
+    )
+    url = f"{shared_gateway.ws_url}/v1/sessions/{sid}/stream"
+    async with connect(f"{url}?since=0", additional_headers=auth(token), max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "hello"
+        await ws.send(json.dumps({"type": "execute", "code": code, "request_id": "r1"}))
+        events: list[dict[str, Any]] = []
+        while not events or events[-1]["type"] != "final":
+            frame = json.loads(await ws.recv())
+            if frame["type"] == "event":
+                events.append(frame["event"])
+    seqs = [e["seq"] for e in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    kinds = [
+        (e["type"], e.get("text")) for e in events if e["type"] in {"stream", "display", "error"}
+    ]
+    assert kinds == [("stream", "before\n"), ("display", None), ("stream", "between\n"),
+                     ("error", None)]  # fmt: skip
+    blob = ('iVBOR\\"\n\té€😀' * 400_000)[:3_000_000]
+    (shown,) = (e for e in events if e["type"] == "display")
+    assert shown["data"]["text/html"] == blob, sorted(shown["data"])
+    assert shown["metadata"]["note"] == "\x01" + blob[:300_000]
+    (error,) = (e for e in events if e["type"] == "error")
+    assert error["error"]["value"].startswith("v" * 4096)  # cut to its cap, in its place

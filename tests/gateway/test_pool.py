@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -100,28 +101,62 @@ async def test_sessions_take_warm_sandboxes_that_are_never_reused(pooled: Gatewa
         assert 'kernelhub_pool_takes_total{result="hit"} 2.0' in metrics
 
 
-async def test_an_empty_pool_falls_back_to_a_cold_start(tmp_path: Path) -> None:
+def _started(tmp_path: Path, **env: str) -> Gateway:
     gw = Gateway(
-        tmp_path / "data",
-        _run_dir(),
-        KERNELHUB_POOL__SIZE="1",
-        KERNELHUB_GATEWAY__INSTANCE=f"{RUN_INSTANCE}-p",
+        tmp_path / "data", _run_dir(), KERNELHUB_GATEWAY__INSTANCE=f"{RUN_INSTANCE}-p", **env
     )
     gw.start()
+    return gw
+
+
+def _client(gw: Gateway, token: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=gw.url, timeout=120 * UNIT, headers=auth(token))
+
+
+def _remove_sandboxes() -> None:
+    client = docker.from_env()
+    for container in client.containers.list(all=True, filters={"label": LABEL_INSTANCE}):
+        container.remove(force=True)
+    client.close()
+
+
+async def _info(http: httpx.AsyncClient, sid: str) -> dict[str, Any]:
+    r = await http.get(f"/v1/sessions/{sid}")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def test_a_burst_past_the_pool_answers_at_once_and_its_cells_wait_for_the_kernel(
+    tmp_path: Path,
+) -> None:
+    gw = _started(tmp_path, KERNELHUB_POOL__SIZE="1")
     try:
         token = gw.token("bob")
-        async with httpx.AsyncClient(
-            base_url=gw.url, timeout=120 * UNIT, headers=auth(token)
-        ) as http:
+        async with _client(gw, token) as http:
             await _pool_ready(http, 1)
-            a, b = await asyncio.gather(
-                http.post("/v1/sessions", json={}, headers=auth(token)),
-                http.post("/v1/sessions", json={}, headers=auth(token)),
+            answers = await asyncio.gather(
+                *(http.post("/v1/sessions", json={}, headers=auth(token)) for _ in range(3))
             )
-            assert a.status_code == b.status_code == 201, (a.text, b.text)
-            assert sorted([a.json()["warm"], b.json()["warm"]]) == [False, True]
-            for sid in (a.json()["id"], b.json()["id"]):
+            assert all(r.status_code == 201 for r in answers), [r.text for r in answers]
+            infos = sorted((r.json() for r in answers), key=lambda i: not i["warm"])
+            # One took the pooled sandbox; the others did not wait for Docker: they are
+            # starting, and say so.
+            assert [(i["warm"], i["state"]) for i in infos] == [
+                (True, "ready"), (False, "starting"), (False, "starting"),
+            ]  # fmt: skip
+            warm, cold, dropped = (i["id"] for i in infos)
+            # Deleted while its sandbox was still starting: the sandbox goes when it is up.
+            assert (await http.delete(f"/v1/sessions/{dropped}")).status_code == 204
+            # A cell on a starting session waits for its kernel, then runs.
+            for sid in (warm, cold):
                 assert stdout(await run(http, token, sid, "print(6 * 7)")) == "42\n"
+            # (busy: its checkpoint after the cell may still be running)
+            assert (await _info(http, cold))["state"] in {"ready", "busy"}
+            for _ in range(int(600 * UNIT)):
+                if dropped not in _containers().values():
+                    break
+                await asyncio.sleep(0.1)
+            assert dropped not in _containers().values()
             # The emergency stop takes the pool's sandboxes down too.
             admin = gw.token("root", admin=True)
             await _pool_ready(http, 1)
@@ -132,7 +167,43 @@ async def test_an_empty_pool_falls_back_to_a_cold_start(tmp_path: Path) -> None:
         assert _containers() == {}
     finally:
         gw.stop()
-        client = docker.from_env()
-        for container in client.containers.list(all=True, filters={"label": LABEL_INSTANCE}):
-            container.remove(force=True)
-        client.close()
+        _remove_sandboxes()
+
+
+async def test_a_profile_has_a_pool_of_its_own_with_its_limits(tmp_path: Path) -> None:
+    small = 256 * 1024 * 1024
+    gw = _started(
+        tmp_path,
+        KERNELHUB_POOL__SIZE="0",
+        KERNELHUB_POOL__PROFILES=json.dumps({"small": 1}),
+        KERNELHUB_POOL__MISS="wait",
+        KERNELHUB_PROFILES__TIERS=json.dumps({"small": {"limits": {"memory_bytes": small}}}),
+    )
+    try:
+        token = gw.token("carol")
+        async with _client(gw, token) as http:
+            await _pool_ready(http, 1)
+            pooled = set(_containers().values())
+            r = await http.post("/v1/sessions", json={"profile": "small"})
+            assert r.status_code == 201, r.text
+            info = r.json()
+            assert info["warm"] is True and info["id"] in pooled
+            assert info["limits"]["memory_bytes"] == small
+            client = docker.from_env()
+            try:
+                (container,) = client.containers.list(
+                    filters={"label": f"org.kernelhub.session={info['id']}"}
+                )
+                assert container.attrs["HostConfig"]["Memory"] == small
+            finally:
+                client.close()
+            assert stdout(await run(http, token, info["id"], "print('small')")) == "small\n"
+            # The default limits have no pool here; with KERNELHUB_POOL__MISS=wait a miss
+            # answers once its sandbox is up, as with no pool at all.
+            r = await http.post("/v1/sessions", json={})
+            assert r.status_code == 201 and (r.json()["warm"], r.json()["state"]) == (
+                False, "ready",
+            )  # fmt: skip
+    finally:
+        gw.stop()
+        _remove_sandboxes()

@@ -117,26 +117,28 @@ def test_a_port_in_use_is_one_line_naming_the_flag() -> None:
 
 
 async def test_connections_to_the_gateway_socket_have_nagle_off() -> None:
-    """asyncio sets TCP_NODELAY only on accepted sockets whose proto is TCP; with Nagle on,
-    a response written in two pieces waited ~40 ms for the client's delayed ACK."""
+    """Accepted through asyncio (as uvicorn does), a connection to the gateway's socket
+    has TCP_NODELAY: REST answers leave in two writes, and with Nagle on the second
+    waited for the client's delayed ACK (a steady 40 ms on a kept-alive connection)."""
     import asyncio
     import socket
 
     from kernelhub.cli.serve import listen_socket
-    from tests.conftest import eventually
 
-    accepted: list[int] = []
+    nodelay: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
-    def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
-        accepted.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        nodelay.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
         writer.close()
 
     sock = listen_socket("127.0.0.1", 0)
-    sock.listen()
-    server = await asyncio.start_server(connected, sock=sock)
+    server = await asyncio.start_server(accepted, sock=sock)
     async with server:
-        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
-        await eventually(lambda: bool(accepted), 5)
-        writer.close()
-    assert accepted and accepted[0] != 0
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        try:
+            got = await asyncio.wait_for(nodelay, 5)
+        finally:
+            writer.close()
+            await writer.wait_closed()
+    assert got != 0

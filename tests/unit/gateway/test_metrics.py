@@ -103,3 +103,25 @@ def test_the_registries_are_the_apps_own() -> None:
     a.on_start(1.0)
     got_b = _samples(b.exposition(per_session=True))
     assert got_b[("kernelhub_session_start_seconds_count", ())] == 0
+
+
+async def test_the_loop_lag_probe_sees_a_callback_that_held_the_loop() -> None:
+    import asyncio
+    import time
+
+    m = Metrics()
+    probe = asyncio.create_task(m.watch_loop(0.001))
+    try:
+        for _ in range(5):
+            await asyncio.sleep(0.002)
+        # A callback holding the loop for 30 ms, as one 8 MiB encode did.
+        asyncio.get_running_loop().call_soon(time.sleep, 0.03)
+        for _ in range(5):
+            await asyncio.sleep(0.002)
+    finally:
+        probe.cancel()
+    s = _samples(m.exposition(per_session=False))
+    count = s[("kernelhub_loop_lag_seconds_count", ())]
+    under_10ms = s[("kernelhub_loop_lag_seconds_bucket", (("le", "0.01"),))]
+    assert count >= 3 and count - under_10ms >= 1  # the held turn, counted over 10 ms
+    assert s[("kernelhub_loop_lag_max_seconds", ())] >= 0.02

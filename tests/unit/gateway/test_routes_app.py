@@ -362,3 +362,20 @@ def test_minting_refusals(
     r = client.post("/v1/admin/tokens", headers=_auth(tokens["admin"]), json=body)
     assert r.status_code == status, r.text
     assert needle in r.json()["message"]
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(gateway: Gateway) -> None:
+    client, tokens = gateway
+    limit = client.app.state.settings.gateway.max_body_bytes  # type: ignore[attr-defined]
+    big = json.dumps({"code": "x" * (limit + 1)})
+    r = client.post("/v1/sessions/dead1/executions", content=big, headers=_auth(tokens["alice"]))
+    assert r.status_code == 413, r.text
+    assert r.json()["error"] == "too_large" and "KERNELHUB_GATEWAY__MAX_BODY_BYTES" in r.text
+    bad = {**_auth(tokens["alice"]), "Content-Length": "many"}
+    r = client.post("/v1/sessions/dead1/executions", content=b"{}", headers=bad)
+    assert r.status_code == 400 and "Content-Length" in r.text
+    # Under the limit the route answers (a dead session: 410), the middleware let it pass.
+    r = client.post(
+        "/v1/sessions/dead1/executions", json={"code": "1"}, headers=_auth(tokens["alice"])
+    )
+    assert r.status_code == 410, r.text

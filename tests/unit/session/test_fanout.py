@@ -4,13 +4,23 @@ in order, across commits inline and on the store thread, and through a failed wr
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from kernelhub.models import EndedBy, ExecutionRecord, ExecutionStatus, StatusEvent, StreamEvent
+from kernelhub import jsonslices
+from kernelhub.models import (
+    DisplayEvent,
+    EndedBy,
+    ErrorEvent,
+    ExecutionRecord,
+    ExecutionStatus,
+    StatusEvent,
+    StreamEvent,
+)
 from kernelhub.replay import Replay, Verdict
 from kernelhub.session.fanout import Published, SessionFanout, Subscriber
 from kernelhub.store.queries import Op, Query
@@ -79,7 +89,8 @@ async def test_subscribers_get_only_committed_events_in_order(store: SqliteStore
     for i, seqs in enumerate(seen_in_store, start=1):
         assert i in seqs  # committed before any subscriber saw it
     await fanout.flush()
-    assert await stored_seqs(store) == [1, 2, 3, 4, 5]
+    stored = [seq for seq, _ in await store.events_since(SID, 0, max_bytes=1 << 30)]
+    assert stored == [1, 2, 3, 4, 5]
     await fanout.close()
     assert sub.closed
 
@@ -303,4 +314,55 @@ async def test_each_event_names_the_one_published_before_it(store: SqliteStore) 
             caught_up.append(seq)
             replay.delivered(seq)
     assert caught_up == [5, 9]
+    await fanout.close()
+
+
+async def test_big_events_are_serialized_in_slices_and_keep_their_place(
+    store: SqliteStore,
+) -> None:
+    """One 8 MiB event is written a slice at a time (other callbacks run between the
+    slices); the events published around it still reach the store and subscribers in
+    order, each the model's JSON."""
+    fanout = SessionFanout(SID, store)
+    sub = fanout.subscribe(64 << 20)
+    image = "iVBORw0KGgo" * (800 << 10)  # ~8.6 MB, one string
+    tricky = ('"\\\n\x00é€\U0001f600' * (40 << 10)) + "\ud83d"  # escapes, a lone surrogate
+    events = [
+        event(1, "before"),
+        DisplayEvent(execution_id="e1", seq=2, data={"image/png": image}, metadata={"m": tricky}),
+        event(3, "between"),
+        ErrorEvent.model_validate(
+            {
+                "execution_id": "e1",
+                "seq": 4,
+                "error": {"name": "E", "value": "v" * (3 << 20), "traceback": [tricky]},
+            }
+        ),
+        event(5, "after"),
+    ]
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    beat = asyncio.create_task(ticker())
+    try:
+        for e in events:
+            fanout.publish(e)
+        assert not fanout.joins_this_commit()  # a big one is still being written
+        got = await take(sub, len(events))
+    finally:
+        beat.cancel()
+    assert [i.seq for i in got] == [1, 2, 3, 4, 5]
+    assert [i.prev for i in got] == [0, 1, 2, 3, 4]
+    assert ticks > 2 * (len(image) // jsonslices.SLICE)  # the loop ran between slices
+    for item, e in zip(got, events, strict=True):
+        item.body.encode()  # UTF-8: the lone surrogate was escaped
+        assert json.loads(item.body) == json.loads(json.dumps(e.model_dump(mode="json")))
+    await fanout.flush()
+    stored = [seq for seq, _ in await store.events_since(SID, 0, max_bytes=1 << 30)]
+    assert stored == [1, 2, 3, 4, 5]
     await fanout.close()

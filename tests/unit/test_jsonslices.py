@@ -1,0 +1,100 @@
+"""Sliced JSON against json itself: the same values, whatever the cuts fall on."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from kernelhub import jsonslices as js
+
+N = 64  # slice size in the tests: many cuts in small documents
+
+# What a cut may fall on or next to: escapes of every length, surrogate pairs and lone
+# halves, backslash runs, quotes, non-ASCII of every UTF-8 width, control characters.
+ATOMS = [
+    "a", "z", " ", '"', "\\", "\\\\", "\n", "\t", "\x00", "\x1f", "é", "€", "\U0001f600",
+    "\ud83d", "\ude00", "/", "u", "d83d", "\\u", "0",
+]  # fmt: skip
+
+
+def _text(rng: random.Random, size: int) -> str:
+    return "".join(rng.choice(ATOMS) for _ in range(size))
+
+
+def _loads(raw: bytes, n: int = N) -> Any:
+    gen = js.loads(raw, slice_bytes=n)
+    steps = 0
+    while True:
+        try:
+            next(gen)
+            steps += 1
+        except StopIteration as done:
+            return done.value, steps
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_loads_equals_json_loads_wherever_the_cuts_fall(seed: int) -> None:
+    rng = random.Random(seed)
+    doc = {
+        "data": {"text/plain": _text(rng, rng.randint(200, 3000)), "image/png": "QUJD" * 100},
+        "metadata": {_text(rng, 300): [1, 2.5, None, True, False, {"k": _text(rng, 500)}]},
+        "n": -12.5e3,
+    }
+    for ensure_ascii in (True, False):
+        raw = json.dumps(doc, ensure_ascii=ensure_ascii, indent=rng.choice([None, 1])).encode(
+            "utf-8", "surrogatepass" if not ensure_ascii else "strict"
+        )
+        try:
+            expected = json.loads(raw)
+        except ValueError:
+            with pytest.raises(ValueError):
+                _loads(raw)
+            continue
+        value, steps = _loads(raw)
+        assert value == expected
+        assert steps > 2  # it really went a slice at a time
+
+
+def test_safe_cut_never_parts_an_escape_or_a_surrogate_pair() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        literal = json.dumps(_text(rng, 80))[1:-1].encode()
+        whole = json.loads(b'"' + literal + b'"')
+        for b in range(40, len(literal)):
+            c = js.safe_cut(literal, 0, b)
+            assert 0 < c <= b
+            head, tail = (json.loads(b'"' + part + b'"') for part in (literal[:c], literal[c:]))
+            assert head + tail == whole, (literal, c)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dumps_round_trips_like_json_and_writes_utf8(seed: int) -> None:
+    rng = random.Random(seed)
+    big = _text(rng, 2000)
+    doc = {"a": big, big[:300]: [big, 1, 2.0, None], "nan": float("nan"), "e": ""}
+    text = js.run(js.dumps(doc, slice_chars=N))
+    text.encode()  # lone surrogates were escaped, so it is UTF-8
+    back = json.loads(text)
+    # What json itself reads back (two lone surrogate halves, escaped, read as one pair).
+    like_json = json.loads(json.dumps({**doc, "nan": None}))
+    assert back == like_json and back["nan"] is None and back["e"] == ""
+
+
+def test_small_and_crowded_documents_take_one_call() -> None:
+    assert js.run(js.dumps({"x": "y"})) == '{"x":"y"}'
+    crowded = {str(i): i for i in range(js.MAX_TOKENS + 5)}
+    assert js.run(js.dumps(crowded, whole=lambda: "whole")) == "whole"
+    raw = json.dumps(crowded).encode()
+    assert _loads(raw, 1024)[0] == crowded
+
+
+def test_bad_json_is_a_value_error() -> None:
+    for raw in (b'{"a": "' + b"x" * 500, b'{"a": 1,}' + b" " * 500, b"[1 2]" + b" " * 500,
+                b'"\\q' + b"x" * 500 + b'"', b'{"a": "b"} extra' + b" " * 500):  # fmt: skip
+        with pytest.raises(ValueError):
+            _loads(raw)
+        with pytest.raises(ValueError):
+            json.loads(raw)
