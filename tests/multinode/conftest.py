@@ -57,7 +57,7 @@ class Process:
             )  # fmt: skip
 
     def wait_ready(self, url: str, verify: ssl.SSLContext | bool = False) -> None:
-        deadline = time.monotonic() + 90 * UNIT
+        deadline = time.monotonic() + 150 * UNIT
         assert self.proc is not None
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"{self.args} exited: {self.log.read_text()[-3000:]}"
@@ -131,20 +131,24 @@ class Replica(Process):
 
 
 class Cluster:
-    def __init__(self, root: Path, store_url: str) -> None:
+    """``nodes`` node agents (at most 3: one per loopback address) and ``replicas``
+    gateway replicas ("ga", "gb"), sharing ``store_url``."""
+
+    def __init__(self, root: Path, store_url: str, *, nodes: int = 3, replicas: int = 2) -> None:
         self.root = root
         self.store_url = store_url
         self.certs = root / "certs"
         self.env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "PYTHONTRACEMALLOC"},
+            "PYTHONUNBUFFERED": "1",  # the logs say how far a process got
             "KERNELHUB_STORE__URL": store_url,
             "KERNELHUB_CLUSTER__CA_FILE": str(self.certs / "ca.pem"),
             "KERNELHUB_CLUSTER__HEARTBEAT_INTERVAL": str(HEARTBEAT),
             "KERNELHUB_CLUSTER__LEASE_TTL": str(10 * UNIT),
         }
         make_certs(self.certs, ["n1", "n2", "n3"], ["ga", "gb", "gc", "bench"], list(NODE_HOSTS))
-        self.nodes = [Node(self, i + 1, host) for i, host in enumerate(NODE_HOSTS)]
-        self.replicas = [Replica(self, "ga"), Replica(self, "gb")]
+        self.nodes = [Node(self, i + 1, host) for i, host in enumerate(NODE_HOSTS[:nodes])]
+        self.replicas = [Replica(self, name) for name in ("ga", "gb")[:replicas]]
 
     def gateway_tls(self) -> ssl.SSLContext:
         return tls_context(self.certs, "gateway-gc")
