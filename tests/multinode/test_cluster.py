@@ -23,6 +23,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from nbclient import NotebookClient
 
 from kernelhub.client import AsyncHub, AsyncSession
+from kernelhub.client import errors as client_errors
 from kernelhub.cluster.certs import make_certs
 from kernelhub.cluster.models import NodeInfo
 from kernelhub.jupyter.provisioner import KernelhubKernelManager
@@ -101,11 +102,41 @@ async def test_sessions_created_through_both_replicas_spread_over_the_nodes(
             await asyncio.gather(*(s.delete() for s in made))
 
 
+async def test_a_restarted_node_agent_takes_back_its_own_sessions_only(cluster: Cluster) -> None:
+    """All nodes share one store: a node that restarts re-adopts the sessions whose row
+    names it, and leaves the others' alone (reporting them dead would end them)."""
+    alice = cluster.alice  # type: ignore[attr-defined]
+    async with hub(cluster.replicas[0], alice) as h:
+        made = [await h.create_session() for _ in range(3)]
+        try:
+            for i, s in enumerate(made):
+                await s.run(f"mark = {i}")
+            on = {instance_of(s.id) for s in made}
+            restarted = next(n for n in cluster.nodes if n.instance in on)
+            restarted.stop()
+            restarted.start()
+            restarted.wait_ready(f"{restarted.address}/readyz", verify=cluster.gateway_tls())
+            for i, s in enumerate(made):
+                assert (await s.run("print(mark)")).stdout == f"{i}\n"
+                assert (await s.info()).state == "ready"
+        finally:
+            await drop(*made)
+
+
+async def drop(*sessions: AsyncSession) -> None:
+    """Delete the session once and release every SDK object of it (a hub's HTTP pool
+    closes when the last session object it gave out is deleted)."""
+    for session in sessions:
+        with contextlib.suppress(client_errors.NotFoundError, client_errors.SessionEndedError):
+            await session.delete()
+
+
 async def test_a_stream_on_one_replica_resumes_on_the_other_gap_free(cluster: Cluster) -> None:
     alice = cluster.alice  # type: ignore[attr-defined]
     a, b = cluster.replicas
     async with hub(b, alice) as hb, hub(a, alice) as ha:
         made = await hb.create_session()
+        on_a = on_b = made
         try:
             on_a = await ha.session(made.id)
             first = await on_a.run("x = 21")
@@ -123,7 +154,7 @@ async def test_a_stream_on_one_replica_resumes_on_the_other_gap_free(cluster: Cl
             doubled = await on_b.run("x * 2")
             assert doubled.results[-1].text == "42"
         finally:
-            await made.delete()
+            await drop(made, on_a, on_b)
 
 
 async def test_killing_a_replica_mid_stream_loses_nothing(cluster: Cluster) -> None:
@@ -133,6 +164,7 @@ async def test_killing_a_replica_mid_stream_loses_nothing(cluster: Cluster) -> N
     try:
         async with hub(doomed, alice) as hd, hub(survivor, alice) as hs:
             made = await hd.create_session()
+            on_s = made
             try:
                 await made.run("kept = 'state'")
                 running = await made.submit(COUNT.format(n=30, gap=0.1))
@@ -147,7 +179,9 @@ async def test_killing_a_replica_mid_stream_loses_nothing(cluster: Cluster) -> N
                 assert tail[-1].type == "final"
                 assert (await on_s.run("print(kept)")).stdout == "state\n"
             finally:
-                await (await hs.session(made.id)).delete()
+                await drop(on_s)
+                doomed.start_ready()  # back on its port: its client's session object is released
+                await drop(made)
     finally:
         doomed.stop()
 
@@ -244,8 +278,11 @@ async def mcp_through(replica: Replica, token: str) -> AsyncIterator[Client]:
 
 
 async def test_the_mcp_sdk_through_a_replica_keeps_state(cluster: Cluster) -> None:
+    def text(result: object) -> str:
+        return "".join(getattr(c, "text", "") for c in getattr(result, "content", []))
+
     async with mcp_through(cluster.replicas[0], cluster.alice) as client:  # type: ignore[attr-defined]
-        await client.call_tool("execute_python", {"code": "z = 5"})
-        result = await client.call_tool("execute_python", {"code": "print(z * 2)"})
-        texts = [c.text for c in result.content if hasattr(c, "text")]
-        assert texts and texts[0].startswith("[stdout]\n10\n"), texts
+        first = text(await client.call_tool("execute_python", {"code": "z = 5"}))
+        handle = first.rsplit("[session handle: ", 1)[1].rstrip("]")
+        kept = await client.call_tool("execute_python", {"code": "print(z * 2)", "session": handle})
+        assert text(kept).startswith("[stdout]\n10\n"), text(kept)
