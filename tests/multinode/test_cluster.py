@@ -119,6 +119,13 @@ async def test_a_restarted_node_agent_takes_back_its_own_sessions_only(cluster: 
             for i, s in enumerate(made):
                 assert (await s.run("print(mark)")).stdout == f"{i}\n"
                 assert (await s.info()).state == "ready"
+            # What every other node and replica reads: the store's rows, none reported dead.
+            store = await PostgresStore.open(cluster.store_url)
+            try:
+                rows = [await store.get_session(s.id) for s in made]
+            finally:
+                await store.close()
+            assert [(r.state, r.reason) for r in rows if r] == [("ready", None)] * 3
         finally:
             await drop(*made)
 
