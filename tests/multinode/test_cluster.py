@@ -249,6 +249,11 @@ async def test_a_session_on_an_unreachable_node_is_a_typed_503(cluster: Cluster)
         headers={"Authorization": f"Bearer {alice}"},
         timeout=30,
     )
+    store = await PostgresStore.open(cluster.store_url)
+    try:
+        await store.delete_node("ghost")  # the emergency stop below would reach for it
+    finally:
+        await store.close()
     assert r.status_code == 503, r.text
     assert r.json()["error"] == "node_unavailable" and "'ghost'" in r.json()["message"]
 
@@ -293,3 +298,30 @@ async def test_the_mcp_sdk_through_a_replica_keeps_state(cluster: Cluster) -> No
         handle = first.rsplit("[session handle: ", 1)[1].rstrip("]")
         kept = await client.call_tool("execute_python", {"code": "print(z * 2)", "session": handle})
         assert text(kept).startswith("[stdout]\n10\n"), text(kept)
+
+
+async def test_the_emergency_stop_through_a_replica_stops_every_node(cluster: Cluster) -> None:
+    """Last in the module: it ends every session of the cluster."""
+    root = cluster.token("root", admin=True)
+    async with hub(cluster.replicas[1], cluster.alice) as h:  # type: ignore[attr-defined]
+        made = [await h.create_session() for _ in range(3)]
+        assert len({instance_of(s.id) for s in made}) >= 2  # on several nodes
+        r = await asyncio.to_thread(
+            httpx.post,
+            f"{cluster.replicas[0].url}/v1/admin/stop-all",
+            headers={"Authorization": f"Bearer {root}"},
+            timeout=120 * UNIT,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["stopped"] >= 3 and r.json()["nodes"] == 3
+        for s in made:
+            with pytest.raises(client_errors.SessionEndedError):
+                await s.run("1")
+        await drop(*made)
+    refused = await asyncio.to_thread(
+        httpx.post,
+        f"{cluster.replicas[0].url}/v1/admin/stop-all",
+        headers={"Authorization": f"Bearer {cluster.alice}"},  # type: ignore[attr-defined]
+        timeout=30,
+    )
+    assert refused.status_code == 403 and refused.json()["error"] == "forbidden"
