@@ -9,7 +9,6 @@ costs more than the whole tier's budget here (README, "Many machines")."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 from kernelhub.cluster.certs import make_certs
 from tests import postgres
 from tests.conftest import RUN_INSTANCE, UNIT
+from tests.gateway.conftest import kill9, stop
 
 NODE_HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 HEARTBEAT = 0.5  # seconds: placement sees new sessions within a beat
@@ -70,18 +70,10 @@ class Process:
         raise AssertionError(f"{url} not ready: {self.log.read_text()[-3000:]}")
 
     def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        kill9(self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop(self.proc)
 
 
 class Node(Process):
