@@ -302,10 +302,10 @@ class ReplicaApp:
         finally:
             for task in (relay, watch):
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if relay.done() and not relay.cancelled() and relay.exception() is not None:
-            log.info("relay from node ended early: %s", relay.exception())
+            relayed, _ = await asyncio.gather(relay, watch, return_exceptions=True)
+        if isinstance(relayed, Exception):
+            # The node went away mid-body: the client's connection closes short of it.
+            log.info("relay from the node ended early: %r", relayed)
 
     # -- WebSocket -----------------------------------------------------------------------
 

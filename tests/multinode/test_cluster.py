@@ -160,6 +160,10 @@ async def test_a_stream_on_one_replica_resumes_on_the_other_gap_free(cluster: Cl
             assert {e.execution_id for e in head + tail} == {first.id, counted.id}
             doubled = await on_b.run("x * 2")
             assert doubled.results[-1].text == "42"
+            # Bodies stream both ways through the replicas: up through one, down the other.
+            data = os.urandom(3 * 2**20)
+            await on_a.upload("blob.bin", data)
+            assert await on_b.download("blob.bin") == data
         finally:
             await drop(made, on_a, on_b)
 
@@ -276,6 +280,31 @@ async def test_nbclient_runs_a_notebook_through_a_replica(cluster: Cluster) -> N
     client = NotebookClient(nb, km=km, timeout=int(120 * UNIT), startup_timeout=int(120 * UNIT))
     await client.async_execute(cleanup_kc=True)
     assert nb.cells[1].outputs[0]["data"]["text/plain"] == "42"
+
+
+def test_the_e2b_sdk_through_one_replica_then_the_other(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e2b_ci = pytest.importorskip("e2b_code_interpreter")
+
+    def point_at(replica: Replica) -> None:
+        monkeypatch.setenv("E2B_API_URL", f"{replica.url}/e2b")
+        monkeypatch.setenv("E2B_SANDBOX_URL", f"{replica.url}/e2b")
+        monkeypatch.setenv("E2B_API_KEY", cluster.alice)  # type: ignore[attr-defined]
+        monkeypatch.delenv("E2B_DEBUG", raising=False)
+
+    a, b = cluster.replicas
+    point_at(a)
+    sbx = e2b_ci.Sandbox.create()
+    try:
+        sbx.run_code("x = 1")
+        sbx.files.write("notes/n.txt", "hi")
+        point_at(b)
+        again = e2b_ci.Sandbox.connect(sbx.sandbox_id)
+        assert again.run_code("x += 1; x").text == "2"
+        assert again.files.read("notes/n.txt") == "hi"
+    finally:
+        sbx.kill()
 
 
 @contextlib.asynccontextmanager
