@@ -18,6 +18,7 @@ import docker
 import httpx
 import nbformat
 import pytest
+import websockets
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from nbclient import NotebookClient
@@ -260,6 +261,35 @@ async def test_a_session_on_an_unreachable_node_is_a_typed_503(cluster: Cluster)
         await store.close()
     assert r.status_code == 503, r.text
     assert r.json()["error"] == "node_unavailable" and "'ghost'" in r.json()["message"]
+
+
+async def ws_outcome(url: str, token: str, tls: ssl.SSLContext | None) -> tuple[str, int]:
+    """How a stream handshake ends: refused with an HTTP status, or closed with a code."""
+    try:
+        async with websockets.connect(
+            url, additional_headers={"Authorization": f"Bearer {token}"}, ssl=tls, proxy=None
+        ) as ws:
+            with contextlib.suppress(websockets.ConnectionClosed):
+                while True:
+                    await asyncio.wait_for(ws.recv(), 30 * UNIT)
+            return "closed", int(ws.close_code or 0)
+    except websockets.InvalidStatus as exc:
+        return "refused", exc.response.status_code
+
+
+async def test_a_relayed_stream_ends_as_the_nodes_own_does(cluster: Cluster) -> None:
+    """Refusals and close codes reach the client through a replica exactly as the node
+    gives them (an unknown session, a bad token)."""
+    alice = cluster.alice  # type: ignore[attr-defined]
+    node, replica = cluster.nodes[0], cluster.replicas[0]
+    path = "/v1/sessions/0000000000000000/stream"
+    for token in (alice, "kh_not_a_token"):
+        direct = await ws_outcome(
+            node.address.replace("https", "wss") + path, token, cluster.gateway_tls()
+        )
+        relayed = await ws_outcome(replica.url.replace("http", "ws") + path, token, None)
+        assert relayed == direct, (token, direct, relayed)
+        assert direct[1] in (404, 4404, 401, 4401), direct
 
 
 async def test_an_unknown_token_is_refused_by_the_replica(cluster: Cluster) -> None:
