@@ -140,20 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     _client_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser(
+    listen = argparse.ArgumentParser(add_help=False)
+    listen.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    listen.add_argument("--port", type=int, default=None, help="port (default 8765)")
+    no_build = _flag(
+        argparse.ArgumentParser(add_help=False),
+        "--no-build",
+        help="fail instead of building a missing kernel image",
+    )
+    sub.add_parser(
         "serve",
-        parents=[backend],
+        parents=[backend, listen, no_build],
         help="run the gateway (REST + WebSocket) in the foreground",
         description="Run the gateway. Says which backend it uses and why, builds the kernel "
         "image when it is missing, and prints a first admin token once it is serving.",
-    )
-    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=None, help="port (default 8765)")
-    serve.add_argument(
-        "--no-build",
-        dest="build",
-        action="store_false",
-        help="fail instead of building a missing kernel image",
     )
 
     run = sub.add_parser(
@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kernelhub.cli import cluster
 
-    cluster.add_parsers(sub, backend)
+    cluster.add_parsers(sub, [backend, listen, no_build], [listen])
     sub.add_parser(
         "reap", help="remove sandboxes and directories left by a crashed kernelhub on this machine"
     )
@@ -406,4 +406,4 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     pin_mmap_threshold()
-    return serve(settings, build=args.build)
+    return serve(settings, build=not args.no_build)

@@ -15,11 +15,15 @@ if TYPE_CHECKING:
 
 
 def add_parsers(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], backend: argparse.ArgumentParser
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    node_options: list[argparse.ArgumentParser],
+    gateway_options: list[argparse.ArgumentParser],
 ) -> None:
+    """``node`` takes ``serve``'s options (``node_options``: backend, --host/--port,
+    --no-build); ``gateway`` only where to listen."""
     node = sub.add_parser(
         "node",
-        parents=[backend],
+        parents=node_options,
         help="run a node agent: this machine's sandboxes, served to the cluster's gateways "
         "over mutual TLS",
         description="Run a node agent (issue #24): the gateway app for this machine's "
@@ -27,21 +31,13 @@ def add_parsers(
         "KERNELHUB_STORE__URL, KERNELHUB_STORE__NODE, KERNELHUB_CLUSTER__ADDRESS and "
         "KERNELHUB_CLUSTER__{CA,CERT,KEY}_FILE (docs/scale-out.md).",
     )
-    gateway = sub.add_parser(
+    sub.add_parser(
         "gateway",
+        parents=gateway_options,
         help="run a stateless gateway replica that places and routes to the node agents",
         description="Run a gateway replica: the kernelhub API for clients, each request "
         "forwarded to the node agent that owns its session (new sessions: the least loaded "
         "node). Needs KERNELHUB_STORE__URL and KERNELHUB_CLUSTER__{CA,CERT,KEY}_FILE.",
-    )
-    for p in (node, gateway):
-        p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-        p.add_argument("--port", type=int, default=None, help="port (default 8765)")
-    node.add_argument(
-        "--no-build",
-        dest="build",
-        action="store_false",
-        help="fail instead of building a missing kernel image",
     )
     # With no command, `node` runs the agent; its commands act on the shared store.
     node_sub = node.add_subparsers(dest="node_command", required=False, metavar="COMMAND")
@@ -93,7 +89,7 @@ def run(settings: Settings, args: argparse.Namespace, console: Console) -> int:
         from kernelhub.malloc import pin_mmap_threshold
 
         pin_mmap_threshold()
-        return serve_node(_listen(settings, args), build=args.build)
+        return serve_node(_listen(settings, args), build=not args.no_build)
     if args.command == "gateway":
         from kernelhub.cluster.proxy import serve_replica
 

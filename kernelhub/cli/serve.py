@@ -335,7 +335,9 @@ async def _announce(settings: Settings, tls: dict[str, Any] | None = None) -> No
 
 
 async def bootstrap_token(settings: Settings) -> str | None:
-    """The first admin token, when the store has none; None otherwise."""
+    """The first admin token, when the store has none; None otherwise (also when another
+    process sharing the store, a node agent starting beside this one, made it first)."""
+    from kernelhub.errors import StoreConflictError
     from kernelhub.store import open_store
 
     store = await open_store(settings)
@@ -343,5 +345,7 @@ async def bootstrap_token(settings: Settings) -> str | None:
         if await store.list_tokens():
             return None
         return await store.create_token("admin", admin=True)
+    except StoreConflictError:
+        return None
     finally:
         await store.close()

@@ -51,10 +51,17 @@ def with_placed(nodes: Sequence[NodeInfo], placed: Iterable[Placed]) -> list[Nod
     return out
 
 
-def load_key(node: NodeInfo) -> tuple[int, int, float, str]:
-    """Least loaded first: the most memory free, then the fewest sessions, then the least
-    CPU load per core; the id breaks ties, so equal nodes are chosen in a stable order."""
-    return (-node.memory_free_bytes, node.sessions, node.cpu_load, node.id)
+SLOT_BYTES = 256 * 2**20  # the unit free memory is compared in when a create asks none
+
+
+def load_key(node: NodeInfo, memory_bytes: int = 0) -> tuple[int, int, float, str]:
+    """Least loaded first: room for the most sandboxes of the size asked (free memory in
+    whole slots: nodes on one machine read its free memory a few MB apart from moment to
+    moment, and that noise must not outvote a session more), then the fewest sessions,
+    then the least CPU load per core; the id breaks ties, so equal nodes are chosen in a
+    stable order."""
+    slots = node.memory_free_bytes // max(memory_bytes, SLOT_BYTES)
+    return (-slots, node.sessions, node.cpu_load, node.id)
 
 
 def choose(
@@ -94,4 +101,4 @@ def choose(
             "add a node",
             node=None,
         )
-    return min(fits, key=load_key)
+    return min(fits, key=lambda n: load_key(n, memory_bytes))

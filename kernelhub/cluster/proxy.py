@@ -62,6 +62,8 @@ WS_HANDSHAKE = frozenset(
 )  # fmt: skip
 CONNECT_TIMEOUT = 5.0  # seconds to reach a node; past it the node counts as unreachable
 LOCAL = frozenset(["/healthz", "/readyz"])
+# Requests about every node's sessions at once: sent to each live node, answers summed.
+BROADCAST = frozenset([("POST", "/v1/admin/stop-all")])
 
 
 def client_context(settings: Settings) -> ssl.SSLContext:
@@ -174,7 +176,10 @@ class ReplicaApp:
             await _answer(send, await self._own(path))
             return
         try:
-            await self._forward(scope, receive, send)
+            if (scope["method"], path) in BROADCAST:
+                await _answer(send, await self._broadcast(scope))
+            else:
+                await self._forward(scope, receive, send)
         except KernelhubError as exc:
             if exc.__class__ is not TooLargeError and not isinstance(exc, NodeUnavailableError):
                 log.debug("refused %s %s: %s", scope["method"], path, exc)
@@ -191,6 +196,38 @@ class ReplicaApp:
         now = datetime.now(UTC)
         alive = [n.id for n in nodes if n.alive(now)]
         return _json(200 if alive else 503, {"ready": bool(alive), "nodes": alive})
+
+    async def _broadcast(self, scope: Scope) -> Message:
+        """The emergency stop on every live node (one node stops only its own sandboxes):
+        the first refusal as it is, else ``{"stopped": <the sum>}``. A node that cannot be
+        reached makes it a 503 naming it, after the others have stopped theirs."""
+        assert self.router is not None and self.http is not None
+        raw = [(k, v) for k, v in _headers(scope) if k not in HOP_BY_HOP]
+        now = datetime.now(UTC)
+        nodes = [n for n in await self.router.nodes(fresh=True) if n.alive(now)]
+        if not nodes:
+            await self.router.any_node()  # raises, saying why
+        http = self.http
+
+        async def one(node: NodeInfo) -> httpx.Response | NodeUnavailableError:
+            try:
+                return await http.request(scope["method"], _url(node.address, scope), headers=raw)
+            except httpx.TransportError as exc:
+                return _unreachable(node, exc)
+
+        answers = await asyncio.gather(*(one(n) for n in nodes))
+        stopped = 0
+        for answer in answers:
+            if isinstance(answer, httpx.Response) and answer.status_code != 200:
+                headers = {"www-authenticate": answer.headers.get("www-authenticate", "")}
+                return {"status": answer.status_code, "body": answer.content,
+                        "headers": {k: v for k, v in headers.items() if v}}  # fmt: skip
+            if isinstance(answer, httpx.Response):
+                stopped += int(answer.json().get("stopped", 0))
+        for answer in answers:
+            if isinstance(answer, NodeUnavailableError):
+                raise answer
+        return _json(200, {"stopped": stopped, "nodes": len(nodes)})
 
     async def _principal(self, headers: dict[str, str], query: str) -> Any:
         """The caller, when the request carries a token; a bad one is refused here."""
@@ -265,10 +302,10 @@ class ReplicaApp:
         finally:
             for task in (relay, watch):
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if relay.done() and not relay.cancelled() and relay.exception() is not None:
-            log.info("relay from node ended early: %s", relay.exception())
+            relayed, _ = await asyncio.gather(relay, watch, return_exceptions=True)
+        if isinstance(relayed, Exception):
+            # The node went away mid-body: the client's connection closes short of it.
+            log.info("relay from the node ended early: %r", relayed)
 
     # -- WebSocket -----------------------------------------------------------------------
 

@@ -42,6 +42,23 @@ def wait_until_up(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     raise AssertionError(f"{url} not ready: {log.read_text()[-2000:]}")
 
 
+def kill9(proc: subprocess.Popen[bytes] | None) -> None:
+    assert proc is not None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+
+
+def stop(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 30 s."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 class Gateway:
     def __init__(self, data_dir: Path, run_dir: Path, **env: str) -> None:
         self.port = free_port()
@@ -81,18 +98,10 @@ class Gateway:
         wait_until_up(self.proc, f"{self.url}/readyz", self.log)
 
     def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        kill9(self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop(self.proc)
 
     def rss(self) -> int:
         assert self.proc is not None

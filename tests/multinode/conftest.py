@@ -9,7 +9,6 @@ costs more than the whole tier's budget here (README, "Many machines")."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 from kernelhub.cluster.certs import make_certs
 from tests import postgres
 from tests.conftest import RUN_INSTANCE, UNIT
+from tests.gateway.conftest import kill9, stop
 
 NODE_HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 HEARTBEAT = 0.5  # seconds: placement sees new sessions within a beat
@@ -57,7 +57,7 @@ class Process:
             )  # fmt: skip
 
     def wait_ready(self, url: str, verify: ssl.SSLContext | bool = False) -> None:
-        deadline = time.monotonic() + 90 * UNIT
+        deadline = time.monotonic() + 150 * UNIT
         assert self.proc is not None
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"{self.args} exited: {self.log.read_text()[-3000:]}"
@@ -70,18 +70,10 @@ class Process:
         raise AssertionError(f"{url} not ready: {self.log.read_text()[-3000:]}")
 
     def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        kill9(self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop(self.proc)
 
 
 class Node(Process):
@@ -132,12 +124,16 @@ class Replica(Process):
 
 
 class Cluster:
-    def __init__(self, root: Path, store_url: str) -> None:
+    """``nodes`` node agents (at most 3: one per loopback address) and ``replicas``
+    gateway replicas ("ga", "gb"), sharing ``store_url``."""
+
+    def __init__(self, root: Path, store_url: str, *, nodes: int = 3, replicas: int = 2) -> None:
         self.root = root
         self.store_url = store_url
         self.certs = root / "certs"
         self.env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "PYTHONTRACEMALLOC"},
+            "PYTHONUNBUFFERED": "1",  # the logs say how far a process got
             "KERNELHUB_STORE__URL": store_url,
             "KERNELHUB_CLUSTER__CA_FILE": str(self.certs / "ca.pem"),
             "KERNELHUB_CLUSTER__HEARTBEAT_INTERVAL": str(HEARTBEAT),
@@ -146,8 +142,8 @@ class Cluster:
             "KERNELHUB_CLUSTER__CHECKPOINT_EXPORT_INTERVAL": "0",
         }
         make_certs(self.certs, ["n1", "n2", "n3"], ["ga", "gb", "gc", "bench"], list(NODE_HOSTS))
-        self.nodes = [Node(self, i + 1, host) for i, host in enumerate(NODE_HOSTS)]
-        self.replicas = [Replica(self, "ga"), Replica(self, "gb")]
+        self.nodes = [Node(self, i + 1, host) for i, host in enumerate(NODE_HOSTS[:nodes])]
+        self.replicas = [Replica(self, name) for name in ("ga", "gb")[:replicas]]
 
     def share_snapshots(self, data_dir: Path) -> None:
         """Every node's blob directory and snapshot MAC key are one (until object storage
