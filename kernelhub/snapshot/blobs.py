@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernelhub.errors import ConfigError, InvalidRequestError, NotFoundError, TooLargeError
+from kernelhub.snapshot.transfer import algorithm_of, default_algorithm, labelled, new_digest
 
 if TYPE_CHECKING:
     from kernelhub.config import Settings
@@ -82,7 +83,8 @@ class BlobStore:
     ) -> tuple[int, str]:
         """Store the stream; returns (size, sha256). A partial blob is removed on failure."""
         self._secret()
-        digest = hashlib.sha256()
+        algorithm = default_algorithm()
+        digest = new_digest(algorithm)
         size = 0
         target = self.path(snapshot_id)
         try:
@@ -96,7 +98,7 @@ class BlobStore:
         except BaseException:
             target.unlink(missing_ok=True)
             raise
-        return size, digest.hexdigest()
+        return size, labelled(algorithm, digest)
 
     def prepare(self, snapshot_id: str) -> Path:
         """The path a new blob is to be written at (``transfer.receive`` creates it)."""
@@ -126,11 +128,12 @@ class BlobStore:
     def verify(self, snapshot_id: str, owner: str, sha256: str, mac: str) -> None:
         """Refuse a blob that is missing, edited, or not this owner's."""
         target = self.existing(snapshot_id)
-        digest = hashlib.sha256()
+        algorithm = algorithm_of(sha256)  # the row's: SHA-256 blobs from before BLAKE3 too
+        digest = new_digest(algorithm)
         with open(target, "rb") as fh:
             while chunk := fh.read(CHUNK):
                 digest.update(chunk)
-        self.check(snapshot_id, owner, sha256, mac, digest.hexdigest())
+        self.check(snapshot_id, owner, sha256, mac, labelled(algorithm, digest))
 
     def check(self, snapshot_id: str, owner: str, sha256: str, mac: str, actual: str) -> None:
         """Refuse bytes hashing to ``actual`` unless they are the blob the row describes,

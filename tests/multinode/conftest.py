@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kernelhub.cluster.certs import make_certs
-from tests import postgres
+from tests import objects, postgres
 from tests.conftest import RUN_INSTANCE, UNIT
 from tests.gateway.conftest import kill9, stop
 
@@ -127,8 +127,19 @@ class Cluster:
     """``nodes`` node agents (at most 3: one per loopback address) and ``replicas``
     gateway replicas ("ga", "gb"), sharing ``store_url``."""
 
-    def __init__(self, root: Path, store_url: str, *, nodes: int = 3, replicas: int = 2) -> None:
+    def __init__(
+        self,
+        root: Path,
+        store_url: str,
+        *,
+        nodes: int = 3,
+        replicas: int = 2,
+        objects: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
+        # ``objects``: a bucket's KERNELHUB_OBJECTS__* variables (S3Server.env), so the nodes
+        # share snapshots as a real cluster does, under one cluster-wide MAC key file.
+        self.objects = objects
         self.store_url = store_url
         self.certs = root / "certs"
         self.env = {
@@ -141,18 +152,25 @@ class Cluster:
             # After every cell: a node killed right after one still has its state exported.
             "KERNELHUB_CLUSTER__CHECKPOINT_EXPORT_INTERVAL": "0",
         }
+        if objects is not None:
+            key = root / "snapshot.key"
+            key.write_bytes(os.urandom(32))
+            key.chmod(0o600)
+            self.env |= {**objects, "KERNELHUB_CLUSTER__SNAPSHOT_KEY_FILE": str(key)}
         make_certs(self.certs, ["n1", "n2", "n3"], ["ga", "gb", "gc", "bench"], list(NODE_HOSTS))
         self.nodes = [Node(self, i + 1, host) for i, host in enumerate(NODE_HOSTS[:nodes])]
         self.replicas = [Replica(self, name) for name in ("ga", "gb")[:replicas]]
 
     def share_snapshots(self, data_dir: Path) -> None:
-        """Every node's blob directory and snapshot MAC key are one (until object storage
-        with the cluster-wide key is the seam): what one node exports, another restores."""
+        """Without a bucket (bench/cluster.py), every node's blob directory and snapshot MAC
+        key are one: what one node exports, another restores."""
+        data_dir.mkdir(parents=True)
+        if self.objects is not None:
+            return
         shared = self.root / "shared-snapshots"
         if not shared.exists():
             (shared / "snapshots").mkdir(parents=True, mode=0o700)
             (shared / "snapshot.key").write_bytes(os.urandom(32))
-        data_dir.mkdir(parents=True)
         (data_dir / "snapshots").symlink_to(shared / "snapshots", target_is_directory=True)
         (data_dir / "snapshot.key").symlink_to(shared / "snapshot.key")
 
@@ -196,9 +214,14 @@ def remove_sandboxes(instances: list[str]) -> None:
 
 @pytest.fixture(scope="session")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory, postgres_cluster: postgres.PostgresCluster
+    tmp_path_factory: pytest.TempPathFactory,
+    postgres_cluster: postgres.PostgresCluster,
+    s3_server: objects.S3Server,
 ) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("cluster"), postgres_cluster.fresh_url())
+    """The tier's one cluster: snapshots, exported checkpoints and hibernated sessions live
+    in a bucket of the run's real S3-compatible server (rclone), under one cluster key."""
+    bucket = s3_server.env(s3_server.fresh_bucket())
+    c = Cluster(tmp_path_factory.mktemp("cluster"), postgres_cluster.fresh_url(), objects=bucket)
     try:
         c.start()
         c.alice = c.token("alice")  # type: ignore[attr-defined]

@@ -34,7 +34,7 @@ from kernelhub.store.records import StoredSession
 from tests.conftest import UNIT
 from tests.multinode.conftest import Cluster, Replica, tls_context
 
-pytestmark = [pytest.mark.multinode, pytest.mark.docker, pytest.mark.postgres,
+pytestmark = [pytest.mark.multinode, pytest.mark.docker, pytest.mark.postgres, pytest.mark.s3,
               pytest.mark.timeout(240)]  # fmt: skip
 
 # A cell whose output is its own oracle: consecutive numbers, a little apart.

@@ -21,7 +21,7 @@ from kernelhub.store.postgres import PostgresStore
 from tests.conftest import UNIT
 from tests.multinode.conftest import Cluster, Node
 
-pytestmark = [pytest.mark.multinode, pytest.mark.docker, pytest.mark.postgres,
+pytestmark = [pytest.mark.multinode, pytest.mark.docker, pytest.mark.postgres, pytest.mark.s3,
               pytest.mark.timeout(300)]  # fmt: skip
 
 

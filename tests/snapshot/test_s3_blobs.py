@@ -6,7 +6,6 @@ owner, or signed with another key is refused, and nothing of it is left on disk.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from kernelhub.config import load_settings
 from kernelhub.errors import InvalidRequestError, NotFoundError, StoreError, TooLargeError
 from kernelhub.snapshot.blobs import BlobStore, blob_store
 from kernelhub.snapshot.s3 import S3BlobStore
+from kernelhub.snapshot.transfer import default_algorithm, labelled, new_digest
 from tests.conftest import eventually
 from tests.objects import S3Server
 
@@ -56,7 +56,10 @@ def local_files(store: BlobStore) -> list[str]:
 
 async def committed(store: S3BlobStore, snapshot_id: str, data: bytes) -> tuple[str, str]:
     size, sha256 = await store.write(snapshot_id, chunks(data), LIMIT)
-    assert (size, sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    algorithm = default_algorithm()  # BLAKE3 where installed, as the streamed path
+    expected = new_digest(algorithm)
+    expected.update(data)
+    assert (size, sha256) == (len(data), labelled(algorithm, expected))
     await store.commit(snapshot_id)
     return sha256, store.mac(snapshot_id, "alice", sha256)
 
