@@ -39,6 +39,7 @@ from report import ms
 from rounds import Rounds, interleave
 from websockets.asyncio.client import ClientConnection, connect
 
+from kernelhub.cluster.settings import ClusterSettings
 from tests import postgres
 from tests.multinode.conftest import Cluster, tls_context
 
@@ -85,7 +86,10 @@ async def measure(rounds: int, per_round: int) -> Rounds:
     streams: list[Stream] = []
     with tempfile.TemporaryDirectory(prefix="kh-bench-cluster-") as tmp:
         root = Path(tmp)
-        cluster = Cluster(root / "cluster", pg.fresh_url(), nodes=1, replicas=1)
+        cluster = Cluster(
+            root / "cluster", pg.fresh_url(), nodes=1, replicas=1,
+            export_interval=ClusterSettings().checkpoint_export_interval or 0,
+        )  # fmt: skip
         single = single_pg = None
         try:
             await asyncio.to_thread(cluster.start)

@@ -135,6 +135,7 @@ class Cluster:
         nodes: int = 3,
         replicas: int = 2,
         objects: dict[str, str] | None = None,
+        export_interval: float = 0,
     ) -> None:
         self.root = root
         # ``objects``: a bucket's KERNELHUB_OBJECTS__* variables (S3Server.env), so the nodes
@@ -150,7 +151,8 @@ class Cluster:
             "KERNELHUB_CLUSTER__HEARTBEAT_INTERVAL": str(HEARTBEAT),
             "KERNELHUB_CLUSTER__LEASE_TTL": str(10 * UNIT),
             # After every cell: a node killed right after one still has its state exported.
-            "KERNELHUB_CLUSTER__CHECKPOINT_EXPORT_INTERVAL": "0",
+            # (A benchmark passes the operator's default instead.)
+            "KERNELHUB_CLUSTER__CHECKPOINT_EXPORT_INTERVAL": str(export_interval),
         }
         if objects is not None:
             key = root / "snapshot.key"
