@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernelhub.errors import ConfigError, InvalidRequestError, NotFoundError, TooLargeError
+from kernelhub.snapshot.transfer import algorithm_of, labelled, new_digest
 
 if TYPE_CHECKING:
     from kernelhub.config import Settings
@@ -126,11 +127,12 @@ class BlobStore:
     def verify(self, snapshot_id: str, owner: str, sha256: str, mac: str) -> None:
         """Refuse a blob that is missing, edited, or not this owner's."""
         target = self.existing(snapshot_id)
-        digest = hashlib.sha256()
+        algorithm = algorithm_of(sha256)
+        digest = new_digest(algorithm)
         with open(target, "rb") as fh:
             while chunk := fh.read(CHUNK):
-                digest.update(chunk)
-        self.check(snapshot_id, owner, sha256, mac, digest.hexdigest())
+                digest.update(memoryview(chunk))
+        self.check(snapshot_id, owner, sha256, mac, labelled(algorithm, digest))
 
     def check(self, snapshot_id: str, owner: str, sha256: str, mac: str, actual: str) -> None:
         """Refuse bytes hashing to ``actual`` unless they are the blob the row describes,

@@ -16,7 +16,6 @@ here: a missing object is ``NotFoundError``, anything else ``StoreError`` (retry
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import secrets
@@ -36,6 +35,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from kernelhub.cluster.settings import ObjectStoreSettings
 from kernelhub.errors import NotFoundError, StoreError
 from kernelhub.snapshot.blobs import CHUNK, BlobStore, too_large
+from kernelhub.snapshot.transfer import algorithm_of, labelled, new_digest
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,9 @@ class S3BlobStore(BlobStore):
                     raise too_large(max_bytes)
                 fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 try:
-                    digest = hashlib.sha256()
+                    # The row's digest names its algorithm (BLAKE3 for new blobs).
+                    algorithm = algorithm_of(sha256)
+                    digest = new_digest(algorithm)
                     size = 0
                     with os.fdopen(fd, "wb") as out:
                         # Counted as it arrives: the length the server announced may lie.
@@ -161,9 +163,9 @@ class S3BlobStore(BlobStore):
                             size += len(chunk)
                             if size > max_bytes:
                                 raise too_large(max_bytes)
-                            digest.update(chunk)
+                            digest.update(memoryview(chunk))
                             out.write(chunk)
-                    self.check(snapshot_id, owner, sha256, mac, digest.hexdigest())
+                    self.check(snapshot_id, owner, sha256, mac, labelled(algorithm, digest))
                     # Under its name only once checked; a concurrent fetch of the same
                     # blob renames the same bytes.
                     os.replace(partial, target)
