@@ -135,9 +135,16 @@ async def executed(http: httpx.AsyncClient, sid: str, code: str) -> float:
 
 
 async def one(
-    s: Session, clients: list[httpx.AsyncClient], watch: Watch, slots: asyncio.Semaphore
+    s: Session,
+    clients: list[httpx.AsyncClient],
+    watch: Watch,
+    slots: asyncio.Semaphore,
+    deadline: float,
 ) -> None:
     async with slots:
+        if time.perf_counter() > deadline:
+            s.error = "not started: past --timebox"
+            return
         http = clients[s.replica]
         try:
             t0 = time.perf_counter()
@@ -160,12 +167,20 @@ def schema_of(url: str) -> str:
     return found.group(1)
 
 
+async def database_size(pg: postgres.PostgresCluster) -> int:
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(pg.url, autocommit=True) as conn:
+        row = await (await conn.execute("SELECT pg_database_size(current_database())")).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 async def store_sizes(pg: postgres.PostgresCluster, url: str) -> dict[str, Any]:
     import psycopg
 
     schema = schema_of(url)
     async with await psycopg.AsyncConnection.connect(pg.url, autocommit=True) as conn:
-        (db,) = await (await conn.execute("SELECT pg_database_size(current_database())")).fetchone()  # type: ignore[misc]
         rows = await (
             await conn.execute(
                 "SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c"
@@ -184,12 +199,17 @@ async def store_sizes(pg: postgres.PostgresCluster, url: str) -> dict[str, Any]:
             await conn.execute(f"SELECT size, metadata FROM {schema}.snapshots")
         ).fetchall()
     durations = []
-    for _, meta in snaps:
-        d = json.loads(meta).get("duration")
-        if isinstance(d, (int, float)):
-            durations.append(float(d))
+    kinds: dict[str, dict[str, int]] = {}
+    for size, meta in snaps:
+        m = json.loads(meta)
+        kind = kinds.setdefault(str(m.get("kind")), {"count": 0, "bytes": 0})
+        kind["count"] += 1
+        kind["bytes"] += int(size)
+        if m.get("kind") == "hibernation" and isinstance(m.get("duration"), (int, float)):
+            durations.append(float(m["duration"]))
     return {
-        "database_bytes": int(db),
+        "database_bytes": await database_size(pg),
+        "snapshot_kinds": kinds,
         "tables": tables,
         "snapshot_rows": len(snaps),
         "snapshot_bytes": sum(int(size) for size, _ in snaps),
@@ -226,7 +246,9 @@ def load_average() -> list[float]:
     return [round(v, 2) for v in os.getloadavg()]
 
 
-async def measure(n: int, concurrency: int, wakes: int, logs: Path | None) -> dict[str, Any]:
+async def measure(
+    n: int, concurrency: int, wakes: int, timebox: float, logs: Path | None
+) -> dict[str, Any]:
     pg = postgres.PostgresCluster()
     pg.start()
     s3 = S3Server()
@@ -269,13 +291,15 @@ async def measure(n: int, concurrency: int, wakes: int, logs: Path | None) -> di
                 httpx.AsyncClient(base_url=r.url, headers=auth, limits=limits)
                 for r in cluster.replicas
             ]
+            result["database_bytes_empty"] = await database_size(pg)
             watch = Watch(url)
             watcher = asyncio.create_task(watch.run())
             sessions = [Session(i, replica=i % 2) for i in range(n)]
             slots = asyncio.Semaphore(concurrency)
             load_before = load_average()
             t0 = time.perf_counter()
-            await asyncio.gather(*(one(s, clients, watch, slots) for s in sessions))
+            deadline = t0 + timebox
+            await asyncio.gather(*(one(s, clients, watch, slots, deadline) for s in sessions))
             wall = time.perf_counter() - t0
             result["load_average"] = {"before": load_before, "after": load_average()}
             ok = [s for s in sessions if s.error is None]
@@ -353,7 +377,8 @@ def report(r: dict[str, Any]) -> str:
         + ", ".join(f"{k}: {v}" for k, v in r["per_node"].items())
         + " | |",
         f"| PostgreSQL `pg_database_size` | {store['database_bytes'] / 2**20:.1f} MiB "
-        f"| {store['database_bytes'] / n / 1024:.1f} KiB |",
+        f"(empty: {r['database_bytes_empty'] / 2**20:.1f} MiB) "
+        f"| {(store['database_bytes'] - r['database_bytes_empty']) / n / 1024:.1f} KiB |",
     ]
     for name, t in store["tables"].items():
         if t["bytes"] >= 16384 or t["rows"]:
@@ -365,6 +390,11 @@ def report(r: dict[str, Any]) -> str:
         f"| bucket: {bucket['objects']} objects | {bucket['bytes'] / 2**20:.1f} MiB "
         f"| {bucket['bytes'] / n / 1024:.1f} KiB |"
     )
+    for kind, k in store["snapshot_kinds"].items():
+        rows.append(
+            f"| snapshot rows of kind `{kind}`: {k['count']} | {k['bytes'] / 2**20:.1f} MiB "
+            f"| {k['bytes'] / n / 1024:.1f} KiB |"
+        )
     if r["errors"]["count"]:
         rows += ["", f"Errors: {r['errors']['count']}: {r['errors']['first']}"]
     return "\n".join(rows) + "\n"
@@ -375,6 +405,9 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=24)
     parser.add_argument("--wake", type=int, default=20, help="sessions woken afterwards")
+    parser.add_argument(
+        "--timebox", type=float, default=1500, help="seconds after which no new session starts"
+    )
     parser.add_argument("--out", type=Path, help="write the markdown here too")
     parser.add_argument("--json", type=Path, help="write the JSON here too")
     parser.add_argument("--logs", type=Path, help="copy the nodes' and replicas' logs here")
@@ -383,7 +416,9 @@ def main() -> int:
         if why is not None:
             print(f"cannot run: {why}", file=sys.stderr)
             return 1
-    result = asyncio.run(measure(args.sessions, args.concurrency, args.wake, args.logs))
+    result = asyncio.run(
+        measure(args.sessions, args.concurrency, args.wake, args.timebox, args.logs)
+    )
     text = report(result)
     print(text)
     print(json.dumps(result, indent=2))
