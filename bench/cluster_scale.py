@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 
 from tests import postgres
-from tests.multinode.conftest import Cluster
+from tests.multinode.conftest import HEARTBEAT, Cluster
 from tests.objects import S3Server
 from tests.objects import problem as objects_problem
 
@@ -195,6 +195,12 @@ async def store_sizes(pg: postgres.PostgresCluster, url: str) -> dict[str, Any]:
                 await conn.execute(f'SELECT count(*) FROM {schema}."{name}"')
             ).fetchone()  # type: ignore[misc]
             tables[name] = {"bytes": int(size), "rows": int(count)}
+        (released,) = await (  # type: ignore[misc]
+            await conn.execute(
+                f"SELECT count(*) FROM {schema}.sessions"
+                " WHERE state = 'hibernated' AND node IS NULL"
+            )
+        ).fetchone()
         snaps = await (
             await conn.execute(f"SELECT size, metadata FROM {schema}.snapshots")
         ).fetchall()
@@ -210,6 +216,7 @@ async def store_sizes(pg: postgres.PostgresCluster, url: str) -> dict[str, Any]:
     return {
         "database_bytes": await database_size(pg),
         "snapshot_kinds": kinds,
+        "hibernated_without_a_node": int(released),
         "tables": tables,
         "snapshot_rows": len(snaps),
         "snapshot_bytes": sum(int(size) for size, _ in snaps),
@@ -309,6 +316,8 @@ async def measure(
             result["create_seconds"] = percentiles([s.create for s in ok])
             result["cell_seconds"] = percentiles([s.cell for s in ok])
             result["hibernate_seconds"] = percentiles([s.hibernate for s in ok])
+            # Each node gives up its hibernated sessions within a heartbeat (0.5 s here).
+            await asyncio.sleep(3 * HEARTBEAT)
             result["store"] = await store_sizes(pg, url)
             result["bucket"] = await asyncio.to_thread(bucket_sizes, s3, bucket)
             await wake_sample(sessions, clients, watch, wakes)
@@ -379,6 +388,8 @@ def report(r: dict[str, Any]) -> str:
         f"| PostgreSQL `pg_database_size` | {store['database_bytes'] / 2**20:.1f} MiB "
         f"(empty: {r['database_bytes_empty'] / 2**20:.1f} MiB) "
         f"| {(store['database_bytes'] - r['database_bytes_empty']) / n / 1024:.1f} KiB |",
+        f"| hibernated rows that name no node (released: no lease to renew) "
+        f"| {store.get('hibernated_without_a_node', '-')} | |",
     ]
     for name, t in store["tables"].items():
         if t["bytes"] >= 16384 or t["rows"]:
