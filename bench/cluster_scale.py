@@ -46,6 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
+from report import quantile
 
 from tests import postgres
 from tests.multinode.conftest import HEARTBEAT, Cluster
@@ -109,17 +110,12 @@ class Watch:
 def percentiles(samples: list[float]) -> dict[str, float]:
     if not samples:
         return {}
-    s = sorted(samples)
-
-    def at(q: float) -> float:
-        return s[min(len(s) - 1, int(q * len(s)))]
-
     return {
-        "p50": statistics.median(s),
-        "p90": at(0.9),
-        "p99": at(0.99),
-        "max": s[-1],
-        "mean": statistics.fmean(s),
+        "p50": statistics.median(samples),
+        "p90": quantile(samples, 0.9),
+        "p99": quantile(samples, 0.99),
+        "max": max(samples),
+        "mean": statistics.fmean(samples),
     }
 
 
