@@ -310,8 +310,10 @@ class Continuity:
             else:
                 report = await self.restore_into(owner, live, kernel, live.hibernation)
         except BaseException:
-            await kernel.close()
+            # Unbound first: the watch on this kernel then takes its exit for what it is
+            # (a wake given up, the session still hibernated), not for a death to revive.
             live.kernel = None
+            await kernel.close()
             raise
         snapshot, live.hibernation = live.hibernation, None
         live.move(Transition.WOKE)

@@ -162,7 +162,7 @@ class S3BlobStore(BlobStore):
                             size += len(chunk)
                             if size > max_bytes:
                                 raise too_large(max_bytes)
-                            digest.update(chunk)
+                            digest.update(memoryview(chunk))
                             out.write(chunk)
                     self.check(snapshot_id, owner, sha256, mac, labelled(algorithm, digest))
                     # Under its name only once checked; a concurrent fetch of the same

@@ -148,13 +148,26 @@ async def test_a_session_hibernated_on_one_node_wakes_on_another(cluster: Cluste
     assert (gateway_run_dir() / instance).is_dir()  # (where it would have been)
     a.stop()  # node a is gone; node b has never seen its disk
     b = cluster.node("b")
+    s3 = cluster.s3.client()
+    whole = s3.get_object(Bucket=cluster.bucket, Key=key)["Body"].read()
+    s3.put_object(Bucket=cluster.bucket, Key=key, Body=whole[:-1])
     async with httpx.AsyncClient(base_url=b.url, timeout=120 * UNIT) as on_b:
         info = (await on_b.get(f"/v1/sessions/{sid}", headers=auth(token))).json()
         assert info["state"] == "hibernated", info
+        # A wake refused (the blob edited in the bucket) is no kernel death: the session
+        # stays hibernated, and wakes once the blob is whole again.
+        r = await on_b.post(
+            f"/v1/sessions/{sid}/executions", json={"code": "1", "wait": True},
+            headers=auth(token),
+        )  # fmt: skip
+        assert r.status_code == 400 and "in the bucket" in r.text, r.text
+        s3.put_object(Bucket=cluster.bucket, Key=key, Body=whole)
         out = await run(on_b, token, sid, "print(msg, int(x.sum()))")
         assert stdout(out) == "made on node a 499999500000\n", out["events"]
     # Woken: the hibernation snapshot is dropped, in the bucket too.
     assert cluster.blobs() == {} and local_blobs(b) == []
+    said = b.log.read_text()
+    assert "ends dead" not in said and "Task exception was never retrieved" not in said, said
 
 
 def test_object_storage_without_the_cluster_key_refuses_to_start(tmp_path: Path) -> None:

@@ -93,6 +93,33 @@ async def test_a_multipart_blob_committed_on_one_node_is_fetched_on_another(
         await a.fetch("blob1", "alice", sha256, mac, LIMIT)
 
 
+async def test_a_blake3_blob_like_a_kernel_capture_verifies_on_either_node(
+    node: object, s3_server: S3Server
+) -> None:
+    """A capture spliced from the kernel is stored with a ``blake3:<hex>`` digest; the
+    node that downloads it, and one that checks its own file, hash with that algorithm
+    (they used SHA-256 for every blob: each such wake on another node was refused)."""
+    if default_algorithm() != "blake3":
+        pytest.skip("the blake3 package is not installed: new blobs are SHA-256")
+    a, b = node("a"), node("b")  # type: ignore[operator]
+    data = os.urandom(2 * 2**20 + 7)
+    a.prepare("blob3").write_bytes(data)  # as transfer.receive writes it
+    digest = new_digest("blake3")
+    digest.update(memoryview(data))
+    blake = labelled("blake3", digest)
+    assert blake.startswith("blake3:")
+    await a.commit("blob3")
+    mac = a.mac("blob3", "alice", blake)
+    a.verify("blob3", "alice", blake, mac)
+    assert (await b.fetch("blob3", "alice", blake, mac, LIMIT)).read_bytes() == data
+    b.verify("blob3", "alice", blake, mac)
+    b.remove("blob3")
+    s3_server.client().put_object(Bucket=a.bucket, Key=a.object_key("blob3"), Body=data[:-1])
+    with pytest.raises(InvalidRequestError, match="integrity check"):
+        await b.fetch("blob3", "alice", blake, mac, LIMIT)
+    assert local_files(b) == []
+
+
 async def test_a_blob_edited_in_the_bucket_or_claimed_by_another_is_refused(
     node: object, s3_server: S3Server
 ) -> None:
