@@ -260,16 +260,11 @@ async def measure(
     with tempfile.TemporaryDirectory(prefix="kh-bench-scale-") as tmp:
         root = Path(tmp)
         url = pg.fresh_url()
-        cluster = Cluster(root / "cluster", url)
         bucket = s3.fresh_bucket()
-        key = root / "cluster-snapshot.key"
-        key.write_bytes(os.urandom(32))
-        key.chmod(0o600)
+        # The bucket and one cluster-wide key file, exports at the operator's default.
+        cluster = Cluster(root / "cluster", url, objects=s3.env(bucket), export_interval=30)
         per_node = max(1, min(16, -(-concurrency // len(cluster.nodes))))
         extra = {
-            **s3.env(bucket),
-            "KERNELHUB_CLUSTER__SNAPSHOT_KEY_FILE": str(key),
-            "KERNELHUB_CLUSTER__CHECKPOINT_EXPORT_INTERVAL": "30",  # the default
             "KERNELHUB_GATEWAY__HIBERNATE_AFTER": str(HIBERNATE_AFTER),
             "KERNELHUB_GATEWAY__HIBERNATE_CONCURRENCY": str(per_node),
             "KERNELHUB_GATEWAY__HIBERNATE_KEEP_STATE": "false",
