@@ -172,6 +172,15 @@ class KernelSession:
         return len(self._worker.queue)
 
     @property
+    def user_busy(self) -> bool:
+        """Whether anything but a background call (the automatic checkpoint) runs or
+        waits: what makes a session read busy."""
+        running = self.running
+        if running is not None and not running.background:
+            return True
+        return any(not h.background for h in self._worker.waiting())
+
+    @property
     def running(self) -> ExecutionHandle | None:
         active = self._router.active
         return active.handle if active is not None else None
@@ -426,7 +435,12 @@ class KernelSession:
                 self._desk.start_deadline(handle)
 
     async def call(
-        self, code: str, expressions: dict[str, str], *, timeout: float | None
+        self,
+        code: str,
+        expressions: dict[str, str],
+        *,
+        timeout: float | None,
+        background: bool = False,
     ) -> dict[str, Any]:
         """Run kernelhub's own ``code`` in the kernel, in turn after the cells queued before
         it, silently (no execution count, no history, no events to listeners), and return
@@ -435,7 +449,9 @@ class KernelSession:
         itself (an :meth:`exclusive` operation, the ``after_cell`` hook) it runs at once:
         the kernel is already ours, and queueing behind ourselves would never return."""
         self._check_open()
-        handle = ExecutionHandle(uuid.uuid4().hex, code, timeout, internal=dict(expressions))
+        handle = ExecutionHandle(
+            uuid.uuid4().hex, code, timeout, internal=dict(expressions), background=background
+        )
         if self._worker_task is not None and asyncio.current_task() is self._worker_task:
             await self._run(handle, None)
             return handle.answers(await handle.wait())

@@ -35,8 +35,12 @@ class ExecutionHandle:
         *,
         keep_events: bool = True,
         internal: dict[str, str] | None = None,
+        background: bool = False,
     ) -> None:
         self.keep_events = keep_events
+        # An internal call the session does on its own (the checkpoint after a cell): it
+        # never makes the session read busy.
+        self.background = background
         # kernelhub's own code (snapshots): run silently, outside history, its events
         # never reach listeners; ``internal`` holds the user_expressions to evaluate.
         self.internal = internal

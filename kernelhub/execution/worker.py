@@ -45,6 +45,11 @@ class CellWorker(Generic[T]):
         """Nothing running, nothing queued, nothing begun: a new cell may start now."""
         return not self._working and not self.queue and self._begun is None
 
+    def waiting(self) -> list[ExecutionHandle]:
+        """The cells begun or queued, not yet running (exclusive operations left out)."""
+        begun = [self._begun[0]] if self._begun is not None else []
+        return begun + [h for h in self.queue if isinstance(h, ExecutionHandle)]
+
     def begun(self, handle: ExecutionHandle, started: T) -> None:
         """The session started ``handle`` itself (it was :meth:`idle`); the worker takes
         over waiting for it."""

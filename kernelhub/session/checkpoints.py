@@ -167,7 +167,7 @@ class Checkpoints:
                     return
                 keep = live.checkpoints[-1:] if attempt == 0 else []
                 for _, old in live.checkpoints[: len(live.checkpoints) - len(keep)]:
-                    await kernel.call(calls.remove(old), {}, timeout=60)
+                    await kernel.call(calls.remove(old), {}, timeout=60, background=True)
                 live.checkpoints = keep
                 base = keep[-1][1] if keep else None
         live.checkpoints.append((count, name))
@@ -181,7 +181,7 @@ class Checkpoints:
         )
         while len(live.checkpoints) > self.MAX_CHECKPOINTS:
             _, old = live.checkpoints.pop(0)
-            await kernel.call(calls.remove(old), {}, timeout=60)
+            await kernel.call(calls.remove(old), {}, timeout=60, background=True)
 
     async def _capture(
         self, live: LiveSession, kernel: KernelSession, name: str, base: str | None
@@ -192,10 +192,12 @@ class Checkpoints:
             # No result asked for: formatting the kernel's answer (every group, every
             # name) as JSON and parsing it here took 13 of a checkpoint's 33 ms, for
             # nothing a checkpoint uses; a failed capture still raises.
-            await kernel.call(calls.capture(name, base), {}, timeout=timeout)
+            await kernel.call(calls.capture(name, base), {}, timeout=timeout, background=True)
         except KernelhubError:
             with contextlib.suppress(KernelhubError):
-                await kernel.call(calls.remove(name), {}, timeout=60)  # what it left
+                await kernel.call(
+                    calls.remove(name), {}, timeout=60, background=True
+                )  # what it left
             if time.monotonic() - t0 >= timeout:
                 live.checkpoint_policy = "off"
                 kernel.notice(

@@ -356,10 +356,13 @@ class Continuity:
         base: str | None = None,
         keep_as: str | None = None,
     ) -> SnapshotInfo:
-        """``base``: a checkpoint to capture incrementally from (its unchanged groups are
+        """``kind`` "checkpoint" (a node's export of the session's state) runs as a
+        background call: it never makes the session read busy.
+        ``base``: a checkpoint to capture incrementally from (its unchanged groups are
         hard-linked, so the state directory need not hold the namespace twice).
         ``keep_as``: the capture's directory, left in the state directory (hibernation
         wakes from it without moving the blob back in)."""
+        quiet = kind == "checkpoint"
         session_id = live.id
         name = keep_as or f"snap-{uuid.uuid4().hex[:12]}"
         t0 = time.monotonic()
@@ -367,7 +370,9 @@ class Continuity:
             # Kept in the state directory (incremental from ``base``): the wake restores
             # from it. The blob below is the fallback for when the state directory is gone.
             try:
-                await kernel.call(calls.capture(name, base), {}, timeout=timeout)  # no answer
+                await kernel.call(  # no answer
+                    calls.capture(name, base), {}, timeout=timeout, background=quiet
+                )
             except KernelhubError:  # a capture cut short may have left part of its files
                 self._spawn(self._remove_capture(kernel, name))
                 raise
@@ -379,7 +384,9 @@ class Continuity:
         try:
             (size, sha256), answers = await transfer.alongside(
                 transfer.pull(kernel.sandbox.session_dir, name, target, limit, timeout),
-                kernel.call(calls.capture_stream(name), calls.RESULT, timeout=timeout),
+                kernel.call(
+                    calls.capture_stream(name), calls.RESULT, timeout=timeout, background=quiet
+                ),
             )
             result = calls.result(answers)
             # In the bucket before its row; a hibernation wakes from the kept capture.

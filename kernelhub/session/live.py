@@ -82,7 +82,8 @@ class LiveSession:
             self.phase,
             alive=kernel is not None and kernel.alive,
             paused=kernel is not None and kernel.paused,
-            running=kernel is not None and kernel.running is not None,
+            # The automatic checkpoint after each cell never makes a session read busy.
+            running=kernel is not None and kernel.user_busy,
             recoverable=self.recoverable,
             hibernating=self.hibernating,
         )

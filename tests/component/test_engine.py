@@ -91,6 +91,27 @@ async def test_cells_queue_in_order(open_session: SessionFactory) -> None:
         assert later[:2] == [ExecutionStatus.QUEUED, ExecutionStatus.RUNNING]
 
 
+async def test_a_background_call_never_makes_the_kernel_busy(
+    open_session: SessionFactory,
+) -> None:
+    """The automatic checkpoint (a background call) never makes a session read busy; a
+    user's cell waiting behind it does, and so does any other internal call."""
+    s = await open_session()
+    call = asyncio.ensure_future(
+        s.call("import time; time.sleep(0.5)", {}, timeout=10, background=True)
+    )
+    await eventually(lambda: s.running is not None, 5)
+    assert not s.user_busy  # only the background call runs
+    queued = await s.submit("1 + 1")
+    assert s.user_busy  # a user's cell waits behind it
+    await call
+    assert (await queued.wait()).text == "2"
+    await eventually(lambda: not s.user_busy, 5)
+    other = asyncio.ensure_future(s.call("import time; time.sleep(0.3)", {}, timeout=10))
+    await eventually(lambda: s.user_busy, 5)  # a snapshot or hibernation capture shows
+    await other
+
+
 async def test_cancel_a_queued_cell(open_session: SessionFactory) -> None:
     s = await open_session()
     running = await s.submit("import time; time.sleep(1)")

@@ -35,7 +35,14 @@ class StandInKernel:
     async def exclusive(self, operation: Callable[[], Awaitable[Any]]) -> Any:
         return await operation()
 
-    async def call(self, code: str, expressions: dict[str, str], *, timeout: float | None) -> Any:
+    async def call(
+        self,
+        code: str,
+        expressions: dict[str, str],
+        *,
+        timeout: float | None,
+        background: bool = False,
+    ) -> Any:
         self.calls.append(code)
         return {"result": {"status": "ok", "data": {"application/json": {}}}}
 

@@ -28,6 +28,7 @@ class StandInKernel:
     def __init__(self, *, alive: bool = True, paused: bool = False, running: bool = False):
         self.alive, self.paused = alive, paused
         self.running = object() if running else None
+        self.user_busy = running
         self.queue_length = 0
 
 
