@@ -13,13 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from kernelhub.cluster import certs, proxy
 from kernelhub.config import load_settings
 from tests.unit.deploy.test_kubernetes import FIELD_VALUES, NODE, of_kind, the
-
-certs = pytest.importorskip(
-    "kernelhub.cluster.certs", reason="`kernelhub cluster certs` is not in this tree yet"
-)
-proxy = pytest.importorskip("kernelhub.cluster.proxy", reason="the gateway replica is not here yet")
 
 
 def service_domain() -> str:
