@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -167,6 +168,10 @@ async def main() -> int:
     parser.add_argument("--profile", type=Path, help="py-spy file of the gateway")
     parser.add_argument("--profile-kernel", type=Path, help="py-spy file of a kernel")
     parser.add_argument("--no-floor", action="store_true")
+    parser.add_argument(
+        "--signal", action="store_true",
+        help="SIGUSR1 to the gateway before and after each of its blocks (a profiler's switch)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     checkpoints = os.environ.get("KERNELHUB_GATEWAY__CHECKPOINTS", "off")
@@ -222,11 +227,15 @@ async def main() -> int:
                     for _ in range(args.cells):
                         into.append(await cell())
 
+                if args.signal and name == "kernelhub" and ours.gw.proc is not None:
+                    ours.gw.proc.send_signal(signal.SIGUSR1)
                 before = c.read()
                 t0 = time.perf_counter()
                 await asyncio.gather(*(one(cell) for cell in c.cells))
                 wall = time.perf_counter() - t0
                 after = c.read()
+                if args.signal and name == "kernelhub" and ours.gw.proc is not None:
+                    ours.gw.proc.send_signal(signal.SIGUSR1)
                 total = n * args.cells
                 r = results[name]
                 for key in before:
