@@ -28,9 +28,10 @@ from kernelhub.execution.collector import OVERSIZED_KEY, WIRE_BYTES_KEY
 from kernelhub.kernel.codec import (
     JSON_FRAMES,
     Codec,
+    Frame,
     claimed_parent,
     must_be_object,
-    split_identities,
+    unpack,
 )
 from kernelhub.kernel.connection import SessionDir
 
@@ -143,17 +144,18 @@ class Receiver:
         if total > MAX_MESSAGE_BYTES:
             return {OVERSIZED_KEY: total, "parent_header": claimed_parent(views)}
         if total > _DECODE_OFF_LOOP_BYTES:
-            msg = await self._decode_large(views)
+            parts = await asyncio.to_thread(self.codec.verified, views)
+            msg = await self._parse_large(parts)
         else:
-            msg = self.codec.decode(views)
-        _, parts = split_identities(views)
+            parts = self.codec.verified(views)
+            msg = self.codec.assemble(parts, [unpack(parts[i], name) for i, name in JSON_FRAMES])
         msg[WIRE_BYTES_KEY] = sum(len(p) for p in parts[3:])
         return msg
 
-    async def _decode_large(self, views: list[memoryview]) -> dict[str, Any]:
-        """Verified in a worker thread (hashlib lets the loop run meanwhile), parsed on
-        the loop a slice at a time (json would hold the GIL for the whole frame)."""
-        parts = await asyncio.to_thread(self.codec.verified, views)
+    async def _parse_large(self, parts: list[Frame]) -> dict[str, Any]:
+        """The message of ``parts`` verified in a worker thread (hashlib lets the loop run
+        meanwhile), parsed on the loop a slice at a time (json would hold the GIL for the
+        whole frame)."""
         values = []
         for index, name in JSON_FRAMES:
             try:
