@@ -84,7 +84,7 @@ class _Readiness:
 
     def readable(self) -> bool:
         # Plain ints: the enum members cost ~3 us a call in their __and__ and conversion.
-        return bool(self._socket.getsockopt(_EVENTS) & _POLLIN)
+        return bool(int(self._socket.getsockopt(_EVENTS)) & _POLLIN)
 
     async def wait(self) -> None:
         """Return once the socket has a message (or is closed)."""
