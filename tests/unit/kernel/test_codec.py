@@ -17,6 +17,7 @@ from kernelhub.kernel.codec import (
     Codec,
     claimed_parent,
     split_identities,
+    unpack,
 )
 
 KEY = b"k" * 32
@@ -182,3 +183,34 @@ def test_encoding_refuses_what_json_cannot_say() -> None:
         codec().encode("execute_request", {"x": float("nan")})
     _, frames = codec().encode("execute_request", {"code": "\udcff"})
     assert json.loads(frames[-1].decode("utf-8", errors="surrogateescape"))["code"] == "\udcff"
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b'{"a": 1e400, "b": NaN, "c": -Infinity, "d": 12345678901234567890123}',
+        b'{"a": "\\ud83d\\ude00", "b": "\\u0000", "a2": [1, {"x": null}], "a2": true}',
+        '{"text": "é ü 漢字"}'.encode(),
+        b'{"lone": "\\ud800"}',  # undecodable output, surrogate-escaped by a kernel
+        b'{"cesu": "\xed\xa0\x80"}',  # a surrogate's UTF-8 bytes
+        b'\xef\xbb\xbf{"bom": 1}',
+        '{"utf16": 1}'.encode("utf-16"),
+        b"[" * 300 + b"{}" + b"]" * 300,
+    ],
+)
+def test_json_frames_parse_exactly_as_json_loads_does(frame: bytes) -> None:
+    """The fast parser goes first; json.loads has the last word, so the codec reads what
+    it read before, whatever the fast one refuses (a lone surrogate, a BOM, deep nesting)."""
+    expected = json.loads(frame)
+    if not isinstance(expected, dict):
+        with pytest.raises(KernelMessageError, match="not an object"):
+            unpack(frame, "content")
+        return
+    got = unpack(frame, "content")
+    assert repr(got) == repr(expected)
+
+
+@pytest.mark.parametrize("frame", [b'{"a": 1}x', b'{"a": "\x01"}', b'{"a": "\xff"}', b""])
+def test_json_frames_that_json_loads_refuses_are_refused(frame: bytes) -> None:
+    with pytest.raises(KernelMessageError, match="is not JSON"):
+        unpack(frame, "content")
