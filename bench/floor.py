@@ -149,13 +149,19 @@ class BareContainers:
         assert status["StatusCode"] == 0, status
         return elapsed
 
-    async def kernel_time(self) -> float:
-        """Seconds from create to stock ipykernel answering ``kernel_info``, driven by plain
-        jupyter_client with the same fast handshake the engine uses."""
-        config, sdir = self._config(
+    def stock_kernel_config(self) -> tuple[dict[str, Any], SessionDir]:
+        """A container running stock ipykernel (no kernelhub in it), and its session
+        directory (connection info for jupyter_client): kernelhub's hardening, minus
+        kernelhub."""
+        return self._config(
             [KERNEL_PYTHON, "-m", "ipykernel_launcher", "-f", CONNECTION_FILE,
              "--HistoryManager.enabled=False"]
         )  # fmt: skip
+
+    async def kernel_time(self) -> float:
+        """Seconds from create to stock ipykernel answering ``kernel_info``, driven by plain
+        jupyter_client with the same fast handshake the engine uses."""
+        config, sdir = self.stock_kernel_config()
         container = None
         kc = AsyncKernelClient()
         try:

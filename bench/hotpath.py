@@ -40,14 +40,17 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import docker
 import gateway
 import psutil
-from floor import FloorKernel
+from floor import BareContainers, FloorKernel, await_reply
 from gateway import Gateway, WsSession
 from harness import SMALL_SESSION, STREAMS, gather_limited
+from jupyter_client.asynchronous.client import AsyncKernelClient
 
+from kernelhub.config import Settings
 from kernelhub.sandbox.base import LABEL_INSTANCE, LABEL_MANAGED, LABEL_SESSION
 
 Cell = Callable[[], Awaitable[float]]
@@ -92,6 +95,41 @@ class Contender:
 
     def read(self) -> dict[str, float]:
         return {name: read() for name, read in self.meters.items()}
+
+
+class ContainedFloor:
+    """A stock ipykernel in a bare hardened container, driven by jupyter_client over ipc:
+    the floor with its kernel scheduled as ours are. (Docker puts every container under
+    one cgroup whose CPU weight equals one host process group's; under load, kernels in
+    containers share that weight with every other container on the machine, while host
+    kernels compete with only their own session.)"""
+
+    def __init__(self, container: Any, sdir: Any, kc: AsyncKernelClient) -> None:
+        self.container, self.sdir, self.kc = container, sdir, kc
+
+    @classmethod
+    async def start(cls, bare: BareContainers) -> ContainedFloor:
+        config, sdir = bare.stock_kernel_config()
+        container = await asyncio.to_thread(bare.client.containers.run, **config)
+        kc = AsyncKernelClient()
+        kc.load_connection_info(sdir.host_connection_info())
+        while not sdir.sockets_present():
+            await asyncio.sleep(0.01)
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=60)
+        return cls(container, sdir, kc)
+
+    async def roundtrip(self, code: str = "1+1") -> float:
+        t0 = time.perf_counter()
+        reply = await await_reply(self.kc, self.kc.execute(code), timeout=30)
+        elapsed = time.perf_counter() - t0
+        assert reply["status"] == "ok", reply
+        return elapsed
+
+    async def stop(self) -> None:
+        self.kc.stop_channels()
+        await asyncio.to_thread(self.container.remove, force=True)
+        self.sdir.remove()
 
 
 class Ours:
@@ -169,6 +207,10 @@ async def main() -> int:
     parser.add_argument("--profile-kernel", type=Path, help="py-spy file of a kernel")
     parser.add_argument("--no-floor", action="store_true")
     parser.add_argument(
+        "--contained-floor", action="store_true",
+        help="also the floor's stock kernels in bare hardened containers ('floor-c')",
+    )  # fmt: skip
+    parser.add_argument(
         "--signal", action="store_true",
         help="SIGUSR1 to the gateway before and after each of its blocks (a profiler's switch)",
     )  # fmt: skip
@@ -202,6 +244,23 @@ async def main() -> int:
             contenders["floor"] = Contender(
                 [f.roundtrip for f in floors],
                 {"kernels": lambda: sum(cpu(psutil.Process(f.pid)) for f in floors)},
+            )
+        if args.contained_floor:
+            settings = Settings()
+            dock = docker.from_env()
+            stack.callback(dock.close)
+            bare = BareContainers(
+                dock, image=settings.docker.image, runtime=settings.docker.runtime,
+                run_dir=settings.run_dir, instance=f"hot-floor-{uuid.uuid4().hex[:6]}",
+            )  # fmt: skip
+            contained = await gather_limited(8, [lambda: ContainedFloor.start(bare)] * n)
+            stack.push_async_callback(
+                asyncio.gather, *(k.stop() for k in contained), return_exceptions=True
+            )
+            ids = [k.container.id for k in contained]
+            contenders["floor-c"] = Contender(
+                [k.roundtrip for k in contained],
+                {"kernels": lambda: sum(cgroup_cpu(i) for i in ids)},
             )
         for c in contenders.values():  # warm up, untimed
             for _ in range(5):
