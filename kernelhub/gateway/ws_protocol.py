@@ -45,7 +45,7 @@ import asyncio
 import logging
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -326,17 +326,21 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
         self.transport.write(b"".join(self.conn.data_to_send()))
         return True
 
-    def send_frame_now(self, payload: bytes) -> bool:
+    def send_frame_now(self, payload: bytes | Sequence[bytes]) -> bool:
         """:meth:`send_text_now` for text already encoded as UTF-8, and without copying it:
-        the frame's header is written, then ``payload`` itself, which the connection keeps
-        by reference until the socket takes it. One encoded event serves every client of
-        a session; 20 clients that do not read a 40 MB event then hold one copy, not 20."""
+        the frame's header is written, then ``payload`` itself (or its pieces, in order:
+        one frame), which the connection keeps by reference until the socket takes it.
+        One encoded event serves every client of a session; 20 clients that do not read a
+        40 MB event then hold one copy, not 20. Pieces spare the sender one big block: an
+        8 MiB one is a fresh mmap (``kernelhub.malloc``), ~5 ms of page faults to fill."""
+        parts = [payload] if isinstance(payload, bytes) else payload
         if self.conn.extensions:  # permessage-deflate: websockets must frame it
-            return self.send_text_now(payload.decode())
+            return self.send_text_now(b"".join(parts).decode())
         if not self._can_send_now() or self.conn.state is not State.OPEN:
             return False
-        self.transport.write(_text_frame_header(len(payload)))
-        self.transport.write(payload)
+        self.transport.write(_text_frame_header(sum(len(p) for p in parts)))
+        for part in parts:
+            self.transport.write(part)
         return True
 
     def _can_send_now(self) -> bool:
