@@ -82,8 +82,13 @@ def _runs() -> tuple[re.Pattern[bytes], re.Pattern[bytes]]:
 _ARRAY_RUN, _OBJECT_RUN = _runs()
 
 
-class _Crowded(Exception):
-    """Too many values for Python to walk one by one: json takes the whole document."""
+# Raised (this one instance, never another) when Python would walk too many values one
+# by one: json then takes the whole document. A signal inside this module, not an error.
+_CROWDED = OverflowError("more values than jsonslices walks one by one")
+
+
+def _crowded() -> OverflowError:
+    return _CROWDED.with_traceback(None)
 
 
 async def drive(gen: Sliced[T]) -> T:
@@ -121,7 +126,9 @@ def loads(data: bytes | memoryview, slice_bytes: int | None = None) -> Sliced[An
     pos = _WS.match(raw).end()  # type: ignore[union-attr]
     try:
         value, pos = yield from _value(raw, pos, n, [MAX_TOKENS])
-    except _Crowded:
+    except OverflowError as exc:
+        if exc is not _CROWDED:
+            raise
         return json.loads(raw)  # see the module
     pos = _WS.match(raw, pos).end()  # type: ignore[union-attr]
     if pos != len(raw):
@@ -134,7 +141,7 @@ def _value(s: bytes, pos: int, n: int, budget: list[int]) -> Generator[None, Non
     Python may walk one by one (a run counts as one)."""
     budget[0] -= 1
     if budget[0] < 0:
-        raise _Crowded
+        raise _crowded()
     char = s[pos : pos + 1]
     if char == b'"':
         return (yield from _string(s, pos + 1, n))
@@ -308,7 +315,9 @@ def dumps(
     out: list[str] = []
     try:
         yield from _dump(obj, out, n, [MAX_TOKENS])
-    except _Crowded:
+    except OverflowError as exc:
+        if exc is not _CROWDED:
+            raise
         return whole() if whole is not None else json.dumps(obj, separators=(",", ":"))
     return "".join(out)
 
@@ -321,7 +330,7 @@ _GROUP = 16  # members in a container's first group
 def _dump(value: Any, out: list[str], n: int, budget: list[int]) -> Sliced[None]:
     budget[0] -= 1
     if budget[0] < 0:
-        raise _Crowded
+        raise _crowded()
     if isinstance(value, str):
         if len(value) < 2 * n:
             out.append(_compact(value))
