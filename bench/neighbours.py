@@ -63,6 +63,7 @@ HEADER = [
     "attack", "outcome", "samples", "p50", "p99", "max", "/healthz max",
     "loop lag > 5 ms", "longest loop lag", "longest callback: CPU / wall",
     "CPU s: gateway / attacker / neighbour kernel", "attacker throttled",
+    "run-queue wait s: gateway / neighbour kernel",
     "gateway RSS growth", "on target",
 ]  # fmt: skip
 # Slicing off in the gateway (--unsliced): every message through json in one call, as
@@ -92,6 +93,8 @@ class Outcome:
     attacker_cpu: float = 0.0  # of the attacker's container
     neighbour_cpu: float = 0.0  # of the neighbour's container
     throttled: float = 0.0  # seconds the attacker's container was throttled by its quota
+    gateway_wait: float = 0.0  # seconds the gateway's threads waited for a CPU
+    neighbour_wait: float = 0.0  # seconds the neighbour kernel's threads waited for one
 
 
 class Neighbour:
@@ -224,6 +227,32 @@ def container_cpu(container: str | None) -> tuple[float, float]:
     return 0.0, 0.0
 
 
+def run_queue_wait(tids: list[int]) -> float:
+    """Seconds these threads spent runnable but waiting for a CPU (/proc/*/schedstat): how
+    much of a latency was the scheduler's, whoever had the core."""
+    total = 0
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int(Path(f"/proc/{tid}/schedstat").read_text().split()[1])
+    return total / 1e9
+
+
+def container_tids(container: str | None) -> list[int]:
+    if container is None:
+        return []
+    for tasks in (
+        Path("/sys/fs/cgroup/cpu/docker") / container / "tasks",
+        Path("/sys/fs/cgroup/system.slice") / f"docker-{container}.scope" / "cgroup.threads",
+    ):
+        if tasks.exists():
+            return [int(t) for t in tasks.read_text().split()]
+    return []
+
+
+def process_tids(pid: int) -> list[int]:
+    return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+
+
 def process_cpu(pid: int) -> float:
     import psutil
 
@@ -267,6 +296,8 @@ async def attack(
         container_cpu(attacker_box),
         container_cpu(neighbour.box),
     )
+    gateway_tids, neighbour_tids = process_tids(gw.proc.pid), container_tids(neighbour.box)
+    wait_before = run_queue_wait(gateway_tids), run_queue_wait(neighbour_tids)
     wall_start = time.time()
     tasks = [
         asyncio.create_task(sample_rss(gw, gw.rss(), out)),
@@ -300,6 +331,8 @@ async def attack(
         used, throttled = container_cpu(attacker_box)
         out.attacker_cpu, out.throttled = used - cpu_before[1][0], throttled - cpu_before[1][1]
         out.neighbour_cpu = container_cpu(neighbour.box)[0] - cpu_before[2][0]
+        out.gateway_wait = run_queue_wait(gateway_tids) - wait_before[0]
+        out.neighbour_wait = run_queue_wait(neighbour_tids) - wait_before[1]
         callbacks = read_loop_cpu(loop_cpu_dir, gw.proc.pid, wall_start, time.time())
         if callbacks:
             longest = max(callbacks, key=lambda c: c.cpu)
@@ -340,6 +373,7 @@ def render(outcomes: list[Outcome], machine: list[tuple[str, str]], failures: in
                 f"{o.callback_cpu * 1000:.1f} / {o.callback_wall * 1000:.0f} ms",
                 f"{o.gateway_cpu:.1f} / {o.attacker_cpu:.1f} / {o.neighbour_cpu:.2f}",
                 f"{o.throttled:.1f} s",
+                f"{o.gateway_wait:.1f} / {o.neighbour_wait:.2f}",
                 f"{o.rss_growth / MiB:.0f} MiB",
                 "yes" if ok else "no",
             ]
@@ -360,7 +394,9 @@ def render(outcomes: list[Outcome], machine: list[tuple[str, str]], failures: in
         "callback, bench/loop_cpu.py), beside the longest wall time of one: the first is "
         "ours, the gap between them the scheduler's. CPU seconds are the gateway process's "
         "and each sandbox's (its cgroup) during the attack; throttled: how long the "
-        "attacker's CPU quota held it back.",
+        "attacker's CPU quota held it back; run-queue wait: how long the threads of the "
+        "gateway and of the neighbour's kernel were ready to run but had no core "
+        "(/proc/*/schedstat).",
         "",
         *table(["", ""], [[k, v] for k, v in machine]),
         "",
