@@ -1,4 +1,4 @@
-"""JSON with big strings, decoded and encoded a slice at a time, with no I/O.
+"""JSON with big strings or many values, decoded and encoded a slice at a time, no I/O.
 
 A large Jupyter message is a few big strings (an image, a long line, a traceback, a
 metadata value) in a small structure. ``json.loads`` and ``json.dumps`` handle it in one C
