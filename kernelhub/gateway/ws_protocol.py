@@ -117,6 +117,7 @@ class _TurnBufferedTransport:
         self._taken = 0  # of those, what had left its buffer at the last check
         self._last_progress = 0.0
         self._watch: asyncio.TimerHandle | None = None
+        self._feeding: asyncio.Handle | None = None  # a feed() to come, for a new backlog
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -162,7 +163,12 @@ class _TurnBufferedTransport:
         else:  # not joined: that would copy a shared frame
             self._backlog.extend(memoryview(p) for p in pending)
             self._backlog_bytes += total
-            self.feed()
+            # Fed in a callback of its own, not now: a store commit flushes every client
+            # of a session in one callback, and each feed is a send() of up to FEED_BYTES
+            # on loopback (the receiving side's TCP work too): 30 clients of a print took
+            # one callback 60-97 ms of CPU (bench/neighbours.py, py-spy).
+            if self._feeding is None:
+                self._feeding = self._loop.call_soon(self.feed)
         if self._watch is None and self._stall_timeout is not None:
             self._taken = self._handed - self._transport.get_write_buffer_size()
             self._last_progress = self._loop.time()
@@ -170,6 +176,9 @@ class _TurnBufferedTransport:
 
     def feed(self) -> None:
         """Move backlog into the real transport until its buffer holds ``FEED_BYTES``."""
+        if self._feeding is not None:
+            self._feeding.cancel()
+            self._feeding = None
         real = self._transport
         while self._backlog and not real.is_closing():
             room = FEED_BYTES - real.get_write_buffer_size()
@@ -242,10 +251,10 @@ class _TurnBufferedTransport:
         self._pending_bytes = 0
         self._backlog.clear()
         self._backlog_bytes = 0
-        for timer in (self._watch, self._end_of_turn, self._held):
+        for timer in (self._watch, self._end_of_turn, self._held, self._feeding):
             if timer is not None:
                 timer.cancel()
-        self._watch = self._end_of_turn = self._held = None
+        self._watch = self._end_of_turn = self._held = self._feeding = None
 
     def abort(self) -> None:
         self.drop()
@@ -310,6 +319,7 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
             # Written this turn, not yet handed to the socket: its flow control has not
             # seen it, so writable would still say yes. Hand it over now.
             transport.flush()
+            transport.feed()
         await self.writable.wait()
 
     def send_text_now(self, text: str) -> bool:
