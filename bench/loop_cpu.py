@@ -46,19 +46,22 @@ def log_path(directory: str | Path, pid: int) -> Path:
     return Path(directory) / f"loopcpu-{pid}.log"
 
 
-def _describe(handle: asyncio.Handle) -> str:
-    callback = getattr(handle, "_callback", None)
+def _describe(callback: object) -> str:
+    """The callback, or for a task's step the innermost coroutine it is now suspended in
+    (where the step ended: the work was just before it)."""
     owner = getattr(callback, "__self__", None)
     if isinstance(owner, asyncio.Task):
-        coro = owner.get_coro()
-        name = getattr(coro, "__qualname__", repr(coro))
-        frame = getattr(coro, "cr_frame", None)
-        where = (
-            f" at {frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}" if frame else ""
-        )
-        return f"task {name}{where}"
-    name = getattr(callback, "__qualname__", None) or repr(callback)
-    return str(name)[:120]
+        coro: Any = owner.get_coro()
+        inner = coro
+        while hasattr(getattr(inner, "cr_await", None), "cr_frame"):
+            inner = inner.cr_await
+        frame = getattr(inner, "cr_frame", None)
+        where = ""
+        if frame is not None:
+            file = frame.f_code.co_filename.rsplit("/", 1)[-1]
+            where = f" in {inner.__qualname__} ({file}:{frame.f_lineno})"
+        return f"task {getattr(coro, '__qualname__', repr(coro))}{where}"
+    return str(getattr(callback, "__qualname__", None) or repr(callback))[:160]
 
 
 def install(directory: str) -> None:
@@ -69,11 +72,12 @@ def install(directory: str) -> None:
     thread_time, perf, now = time.thread_time, time.perf_counter, time.time
 
     def _run(self: asyncio.Handle) -> None:
+        callback = self._callback  # type: ignore[attr-defined]  # cancel() clears it
         c0, w0 = thread_time(), perf()
         original(self)
         cpu, wall = thread_time() - c0, perf() - w0
         if cpu > LOG_CPU or wall > LOG_WALL:
-            out.write(f"{now():.4f} {cpu:.6f} {wall:.6f} {_describe(self)}\n")
+            out.write(f"{now():.4f} {cpu:.6f} {wall:.6f} {_describe(callback)}\n")
 
     asyncio.events.Handle._run = _run  # type: ignore[method-assign]
 

@@ -445,6 +445,8 @@ async def main(out_path: Path | None, only: str | None = None, unsliced: bool = 
         here = str(Path(__file__).resolve().parent)
         env["PYTHONPATH"] = os.pathsep.join([str(shim), here, os.environ.get("PYTHONPATH", "")])
         gw = await Gateway.launch(Path(tmp), instance=instance, env=env)
+        assert gw.proc is not None
+        print(f"gateway pid {gw.proc.pid}, log {gw.log}", file=sys.stderr, flush=True)
         try:
             attacker_token = gw.headers["Authorization"].split()[1]
             neighbour_token = await new_token(gw, "neighbour")
