@@ -401,3 +401,22 @@ async def test_many_value_events_are_written_a_group_at_a_time(store: SqliteStor
     assert json.loads(got[0].body) == json.loads(shown.model_dump_json())
     assert list(json.loads(got[0].body)) == list(shown.model_dump(mode="json"))  # field order
     await fanout.close()
+
+
+async def test_big_stored_events_read_back_as_the_events_published(store: SqliteStore) -> None:
+    """events_of (REST reads) parses big bodies a slice at a time: the same models."""
+    fanout = SessionFanout(SID, store)
+    image = "iVBORw0KGgo" * (100 << 10)  # ~1.1 MB: sliced
+    shown = DisplayEvent(
+        execution_id="e1",
+        seq=1,
+        data={"image/png": image, "application/json": {"x": list(range(50_000))}},
+        metadata={"m": "é" * 10},
+    )
+    events = [event(0, "small"), shown]
+    for e in events:
+        fanout.publish(e)
+    await fanout.flush()
+    got = await store.events_of("e1")
+    assert [g.model_dump() for g in got] == [e.model_dump() for e in events]
+    await fanout.close()
