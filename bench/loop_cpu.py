@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,9 @@ def _describe(callback: object) -> str:
     return str(getattr(callback, "__qualname__", None) or repr(callback))[:160]
 
 
-def install(directory: str) -> None:
-    """Time every callback of this process's asyncio loops from now on."""
+def install(directory: str | Path) -> Callable[[], None]:
+    """Time every callback of this process's asyncio loops from now on; returns the
+    function that stops it (tests)."""
     path = log_path(directory, os.getpid())
     out = path.open("a", buffering=1)
     original = asyncio.events.Handle._run
@@ -80,6 +82,12 @@ def install(directory: str) -> None:
             out.write(f"{now():.4f} {cpu:.6f} {wall:.6f} {_describe(callback)}\n")
 
     asyncio.events.Handle._run = _run  # type: ignore[method-assign]
+
+    def uninstall() -> None:
+        asyncio.events.Handle._run = original  # type: ignore[method-assign]
+        out.close()
+
+    return uninstall
 
 
 def read(
