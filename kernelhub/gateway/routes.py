@@ -246,7 +246,10 @@ async def _execution_answer(info: ExecutionInfo, status: int) -> Response:
     # values in one call (~50 ms for 8 MiB of numbers).
     value = info.model_dump(mode="json", exclude={"events"})
     value["events"] = None if info.events is None else [plain(e) for e in info.events]
-    body = await jsonslices.drive(jsonslices.dumps(value, info.model_dump_json))
+    try:
+        body = await jsonslices.drive(jsonslices.dumps(value, info.model_dump_json))
+    except (TypeError, ValueError):  # a value json cannot write: pydantic's way, whole
+        body = info.model_dump_json()
     return Response(body.encode(), status_code=status, media_type="application/json")
 
 
