@@ -45,7 +45,7 @@ import asyncio
 import logging
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -117,6 +117,7 @@ class _TurnBufferedTransport:
         self._taken = 0  # of those, what had left its buffer at the last check
         self._last_progress = 0.0
         self._watch: asyncio.TimerHandle | None = None
+        self._feeding: asyncio.Handle | None = None  # a feed() to come, for a new backlog
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -162,7 +163,12 @@ class _TurnBufferedTransport:
         else:  # not joined: that would copy a shared frame
             self._backlog.extend(memoryview(p) for p in pending)
             self._backlog_bytes += total
-            self.feed()
+            # Fed in a callback of its own, not now: a store commit flushes every client
+            # of a session in one callback, and each feed is a send() of up to FEED_BYTES
+            # on loopback (the receiving side's TCP work too): 30 clients of a print took
+            # one callback 60-97 ms of CPU (bench/neighbours.py, py-spy).
+            if self._feeding is None:
+                self._feeding = self._loop.call_soon(self.feed)
         if self._watch is None and self._stall_timeout is not None:
             self._taken = self._handed - self._transport.get_write_buffer_size()
             self._last_progress = self._loop.time()
@@ -170,6 +176,9 @@ class _TurnBufferedTransport:
 
     def feed(self) -> None:
         """Move backlog into the real transport until its buffer holds ``FEED_BYTES``."""
+        if self._feeding is not None:
+            self._feeding.cancel()
+            self._feeding = None
         real = self._transport
         while self._backlog and not real.is_closing():
             room = FEED_BYTES - real.get_write_buffer_size()
@@ -242,10 +251,10 @@ class _TurnBufferedTransport:
         self._pending_bytes = 0
         self._backlog.clear()
         self._backlog_bytes = 0
-        for timer in (self._watch, self._end_of_turn, self._held):
+        for timer in (self._watch, self._end_of_turn, self._held, self._feeding):
             if timer is not None:
                 timer.cancel()
-        self._watch = self._end_of_turn = self._held = None
+        self._watch = self._end_of_turn = self._held = self._feeding = None
 
     def abort(self) -> None:
         self.drop()
@@ -310,6 +319,7 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
             # Written this turn, not yet handed to the socket: its flow control has not
             # seen it, so writable would still say yes. Hand it over now.
             transport.flush()
+            transport.feed()
         await self.writable.wait()
 
     def send_text_now(self, text: str) -> bool:
@@ -326,17 +336,21 @@ class TurnBufferedWebSocketProtocol(WebSocketsSansIOProtocol):
         self.transport.write(b"".join(self.conn.data_to_send()))
         return True
 
-    def send_frame_now(self, payload: bytes) -> bool:
+    def send_frame_now(self, payload: bytes | Sequence[bytes]) -> bool:
         """:meth:`send_text_now` for text already encoded as UTF-8, and without copying it:
-        the frame's header is written, then ``payload`` itself, which the connection keeps
-        by reference until the socket takes it. One encoded event serves every client of
-        a session; 20 clients that do not read a 40 MB event then hold one copy, not 20."""
+        the frame's header is written, then ``payload`` itself (or its pieces, in order:
+        one frame), which the connection keeps by reference until the socket takes it.
+        One encoded event serves every client of a session; 20 clients that do not read a
+        40 MB event then hold one copy, not 20. Pieces spare the sender one big block: an
+        8 MiB one is a fresh mmap (``kernelhub.malloc``), ~5 ms of page faults to fill."""
+        parts = [payload] if isinstance(payload, bytes) else payload
         if self.conn.extensions:  # permessage-deflate: websockets must frame it
-            return self.send_text_now(payload.decode())
+            return self.send_text_now(b"".join(parts).decode())
         if not self._can_send_now() or self.conn.state is not State.OPEN:
             return False
-        self.transport.write(_text_frame_header(len(payload)))
-        self.transport.write(payload)
+        self.transport.write(_text_frame_header(sum(len(p) for p in parts)))
+        for part in parts:
+            self.transport.write(part)
         return True
 
     def _can_send_now(self) -> bool:

@@ -385,10 +385,10 @@ class SqlStore(Store):
         return [(int(r[0]), str(r[1])) for r in rows]
 
     async def events_of(self, execution_id: str) -> list[Event]:
-        return await self._read(x.events_of(execution_id), big=True)
+        return await x.parse_events(await self._read(x.events_of(execution_id), big=True))
 
     async def session_events_of(self, session_id: str) -> list[Event]:
-        return await self._read(x.session_events_of(session_id), big=True)
+        return await x.parse_events(await self._read(x.session_events_of(session_id), big=True))
 
     async def has_started(self, execution_id: str) -> bool:
         return await self._read(x.has_started(execution_id))

@@ -9,6 +9,7 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 import uvicorn
 from websockets.asyncio.client import connect
 
@@ -341,4 +342,27 @@ async def test_a_peer_that_keeps_reading_is_never_reported() -> None:
     await asyncio.to_thread(read_slowly)
     assert got == total and stalls == []
     watched.close()
+    peer.close()
+
+
+async def test_a_flushed_backlog_is_fed_to_the_socket_in_a_callback_of_its_own() -> None:
+    """A store commit flushes every client of a session in one callback; a big backlog
+    must not be written to each socket there (30 clients: 97 ms of CPU in one callback)."""
+    ours, peer = socket.socketpair()
+    real, protocol = await asyncio.get_running_loop().create_connection(_Feeding, sock=ours)
+    watched = _TurnBufferedTransport(real, asyncio.get_running_loop())  # type: ignore[arg-type]
+    protocol.watched = watched
+    big = bytes(range(256)) * (4 * 4096)  # 4 MiB
+    watched.write(big)
+    watched.flush()
+    peer.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        peer.recv(1)  # nothing written to the socket in this callback
+    await asyncio.sleep(0)
+    first = peer.recv(FEED_BYTES)
+    assert first == big[: len(first)] and first  # the next callback fed it
+    peer.settimeout(5)
+    watched.close()
+    rest = await asyncio.to_thread(_read_all, peer)
+    assert first + rest == big
     peer.close()

@@ -22,7 +22,7 @@ from kernelhub.models import (
     StreamEvent,
 )
 from kernelhub.replay import Replay, Verdict
-from kernelhub.session.fanout import Published, SessionFanout, Subscriber
+from kernelhub.session.fanout import Published, SessionFanout, Subscriber, big_event
 from kernelhub.store.queries import Op, Query
 from kernelhub.store.records import AuditEntry
 from kernelhub.store.sqlite import SqliteStore
@@ -365,4 +365,58 @@ async def test_big_events_are_serialized_in_slices_and_keep_their_place(
     await fanout.flush()
     stored = [seq for seq, _ in await store.events_since(SID, 0, max_bytes=1 << 30)]
     assert stored == [1, 2, 3, 4, 5]
+    await fanout.close()
+
+
+async def test_many_value_events_are_written_a_group_at_a_time(store: SqliteStore) -> None:
+    """An event of many small values (a figure's number arrays, records) goes the sliced
+    way too, the kernel's JSON as it is (no pydantic copy), equal to the model's JSON."""
+    fanout = SessionFanout(SID, store)
+    sub = fanout.subscribe(64 << 20)
+    figure = {
+        "data": [{"x": list(range(100_000)), "y": [i / 7 for i in range(100_000)]}],
+        "records": [{"a": i, "b": "é", "c": [i, None, float("nan")]} for i in range(20_000)],
+    }
+    shown = DisplayEvent(
+        execution_id="e1", seq=1, data={"application/vnd.plotly.v1+json": figure}, metadata={}
+    )
+    assert big_event(shown)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    beat = asyncio.create_task(ticker())
+    try:
+        fanout.publish(shown)
+        fanout.publish(event(2, "after"))
+        got = await take(sub, 2)
+    finally:
+        beat.cancel()
+    assert [i.seq for i in got] == [1, 2]
+    assert ticks > 20  # the loop ran between the groups
+    assert json.loads(got[0].body) == json.loads(shown.model_dump_json())
+    assert list(json.loads(got[0].body)) == list(shown.model_dump(mode="json"))  # field order
+    await fanout.close()
+
+
+async def test_big_stored_events_read_back_as_the_events_published(store: SqliteStore) -> None:
+    """events_of (REST reads) parses big bodies a slice at a time: the same models."""
+    fanout = SessionFanout(SID, store)
+    image = "iVBORw0KGgo" * (100 << 10)  # ~1.1 MB: sliced
+    shown = DisplayEvent(
+        execution_id="e1",
+        seq=1,
+        data={"image/png": image, "application/json": {"x": list(range(50_000))}},
+        metadata={"m": "é" * 10},
+    )
+    events = [event(0, "small"), shown]
+    for e in events:
+        fanout.publish(e)
+    await fanout.flush()
+    got = await store.events_of("e1")
+    assert [g.model_dump() for g in got] == [e.model_dump() for e in events]
     await fanout.close()
