@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import checkpoints
 import wake
-from harness import Suite
 from report import Row, ms, quantile, seconds, spread, times
 from rounds import Spread
 from targets import at_most
+
+if TYPE_CHECKING:
+    from harness import Suite
 
 THINKS = (0.2, 0.0)  # an agent's pace, and the worst case: the next cell at once
 
