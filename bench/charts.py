@@ -10,6 +10,7 @@ Each returns the PNG's path, or None when the run has no numbers for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,11 @@ SNAPSHOT_PANELS = (
                  ("load", "floor: pickle.load", "s--", "C7"),
                  ("dill_load", "dill.load", "s:", "C1")]),
 )  # fmt: skip
+# Issue #19's targets, drawn from each size's floor: (floor, label, bound of the floor).
+SNAPSHOT_TARGETS: dict[str, tuple[str, str, Callable[[float], float]]] = {
+    "snapshot": ("dump", "target: 1.5× pickle.dump", lambda floor: 1.5 * floor),
+    "restore": ("load", "target: 2× pickle.load + 0.3 s", lambda floor: 2 * floor + 0.3),
+}
 
 
 def _median_or_none(sample: Any, name: str) -> float | None:
@@ -79,19 +85,26 @@ def _median_or_none(sample: Any, name: str) -> float | None:
         return None
 
 
+def _plot(ax: Any, points: list[Any], name: str, value: Callable[[float], float], style: str,
+          **kw: Any) -> None:  # fmt: skip
+    xy = [(s.mib, value(y)) for s in points if (y := _median_or_none(s, name)) is not None]
+    if xy:
+        ax.plot(*zip(*xy, strict=True), style, **kw)
+
+
 def snapshot(results: list[Any], out: Path) -> Path | None:
     """``results``: objects with ``mib`` and ``median(name)`` for ``snapshot``, ``dump``,
     ``dill_dump``, ``restore``, ``load`` and ``dill_load`` (``bench/snapshot_api.py``'s
-    samples); a contender a run lacks is left out."""
+    samples); a contender a run lacks is left out. Each panel also draws its target."""
     points = sorted(results, key=lambda s: s.mib)
     if not points:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, (title, lines) in zip(axes, SNAPSHOT_PANELS, strict=True):
         for name, label, style, color in lines:
-            xy = [(s.mib, y) for s in points if (y := _median_or_none(s, name)) is not None]
-            if xy:
-                ax.plot(*zip(*xy, strict=True), style, color=color, label=label)
+            _plot(ax, points, name, float, style, color=color, label=label)
+        floor, label, bound = SNAPSHOT_TARGETS[title]
+        _plot(ax, points, floor, bound, "-", color="C3", linewidth=0.8, alpha=0.6, label=label)
         ax.set(title=f"{title} against namespace size", xlabel="numeric namespace (MiB)",
                ylabel="seconds (median of rounds)")  # fmt: skip
         ax.set_ylim(bottom=0)
