@@ -151,11 +151,14 @@ async def run(plan: Plan, only: list[str], out: Path, command: str, readme: Path
     print(text)
     out.write_text(text)
     print(f"written to {out}" + "".join(f", {path}" for _, path in drawn))
-    if readme is not None and not quick:
+    if readme is not None and failed and not quick:
+        print(f"{readme} not rewritten: {failed} sections failed", file=sys.stderr)
+    elif readme is not None and not quick:
         source = (
             f"From `{command}` on {time.strftime('%Y-%m-%d', time.gmtime())}"
             f" ({os.cpu_count()} shared cores, load average {loads[0][1] if loads else '?'}"
-            f" at the start; floors, spreads and charts in [{out.name}](docs/{out.name}))."
+            f" at the start; floors, spreads and charts in"
+            f" [{out.name}]({os.path.relpath(out.resolve(), readme.resolve().parent)}))."
         )
         try:
             readme.write_text(rewrite_block(readme.read_text(), headline(suite.rows, source)))
