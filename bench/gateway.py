@@ -96,7 +96,13 @@ class Gateway:
                 await asyncio.sleep(0.05)
 
     def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=300)
+        # uvicorn closes an idle keep-alive connection after 5 s, httpx's default expiry:
+        # a request sent on one at that moment failed with ReadError (the suite's output
+        # section, at load 10). Expiring ours first leaves no such moment.
+        return httpx.AsyncClient(
+            base_url=self.url, headers=self.headers, timeout=300,
+            limits=httpx.Limits(keepalive_expiry=2.0),
+        )  # fmt: skip
 
     def rss(self) -> int:
         assert self.proc is not None
