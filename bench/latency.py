@@ -79,14 +79,14 @@ async def exec_roundtrip(suite: Suite) -> list[Row]:
             floor, times(s.ratio("rest", "floor"))),
         Row(section, "`1+1`, gateway REST `wait=true`, bare HTTP/1.1 client",
             spread(s.spread("raw")), floor, times(s.ratio("raw", "floor")),
-            at_most(1.25, issue="#20"), s.ratio("raw", "floor")),
+            at_most(1.25), s.ratio("raw", "floor")),
         Row(section, "`1+1`, gateway WebSocket", spread(s.spread("ws")), floor,
-            times(s.ratio("ws", "floor")), at_most(1.15, issue="#20"), s.ratio("ws", "floor")),
+            times(s.ratio("ws", "floor")), at_most(1.15), s.ratio("ws", "floor")),
         Row(section, "`1+1`, gateway WebSocket vs the raw pyzmq floor", spread(s.spread("ws")),
             raw_floor, times(s.ratio("ws", "zmq"))),
     ]  # fmt: skip
     rows += peer_rows(section, s, "ws", "floor", floor, "`1+1` over its WebSocket",
-                      {"jkg+nd": at_most(0.8, issue="#20")})  # fmt: skip
+                      {"jkg+nd": at_most(0.8)})  # fmt: skip
     p95 = ", ".join(f"{name} {ms(quantile(s.pooled(name), 0.95))}" for name in s.names)
     suite.medians["exec floor"] = s.spread("floor").median
     suite.note(

@@ -119,14 +119,14 @@ async def concurrency(suite: Suite) -> list[Row]:
         rate_ratio = Spread.of(
             [b[0] / a[0] for a, b in zip(s.samples["kernelhub"], s.samples["floor"], strict=True)]
         )  # throughput: the floor's wall time over ours, round by round
-        targeted = n in (50, 100)  # issue #20 names these levels
+        targeted = n in (50, 100)  # the levels the targets name
         p99_ratio = lat.ratio("kernelhub", "floor", p99)
         rows += [
             Row(section, f"{n} sessions × {plan.cells} cells a round: throughput",
                 spread(rate["kernelhub"], lambda x: f"{x:.0f}/s"), floor_rate, times(rate_ratio),
-                at_least(0.9, issue="#20") if targeted else "", rate_ratio if targeted else None),
+                at_least(0.9) if targeted else "", rate_ratio if targeted else None),
             Row(section, f"{n} sessions: cell latency p99", spread(lat.spread("kernelhub", p99)),
-                floor_p99, times(p99_ratio), at_most(1.5, issue="#20") if targeted else "",
+                floor_p99, times(p99_ratio), at_most(1.5) if targeted else "",
                 p99_ratio if targeted else None),
         ]  # fmt: skip
         if "peer" in s.samples:
