@@ -56,6 +56,7 @@ def concurrency(levels: dict[int, dict[str, dict[str, Any]]], out: Path) -> Path
     left.legend(fontsize=8)
     right.legend(fontsize=7, ncol=2)
     for ax in (left, right):
+        ax.set_xticks(sorted(levels))  # the levels measured, not a scale between them
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
