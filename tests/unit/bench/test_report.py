@@ -24,7 +24,9 @@ def test_the_results_table_computes_met_from_each_rows_number() -> None:
         sections=[("exec", 123.4, "1.00, 2.00, 3.00")],
     )  # fmt: skip
     lines = text.splitlines()
-    assert "| section | measurement | kernelhub | floor (same run) | ratio | target | met |" in lines
+    assert (
+        "| section | measurement | kernelhub | floor (same run) | ratio | target | met |" in lines
+    )
     assert "| exec | 123 s | 1.00, 2.00, 3.00 |" in lines
     ws = next(line for line in lines if "gateway WebSocket" in line)
     assert ws.endswith("| ≤ 1.15× (#20) | met (not every round) |")
