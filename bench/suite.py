@@ -30,7 +30,11 @@ into the report's directory. A full run into docs/benchmarks.md also rewrites th
 block between ``<!-- bench:start -->`` and ``<!-- bench:end -->`` with every targeted row
 (``--readme`` names another file, ``--no-readme`` leaves it). ``--quick`` runs every
 section with few samples (a smoke test; it never touches the README); its numbers are not
-for quoting. Everything talks to loopback or unix sockets only. ``bench/neighbours.py``
+for quoting. Everything talks to loopback or unix sockets only. A full run takes about
+21 minutes on 2 shared cores at load 8-15 (each section measured at the full plan there:
+exec 115 s, first-output 107, cold 87, warm 147, output 66, memory 6, hibernate 19, wake
+28, checkpoint 72, snapshot 160; concurrency estimated at ~7 min); the report's "Sections"
+table gives each run's own times. ``bench/neighbours.py``
 (issue #16) runs alone: its floods would disturb every other section.
 """
 
