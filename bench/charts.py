@@ -2,13 +2,15 @@
 
 - concurrency: throughput and cell latency (p50, p99) against concurrent sessions, for
   kernelhub, its floor (as many stock kernels) and the peer, with each round's [min–max];
-- snapshot: capture and restore time against namespace size, beside pickle's floors.
+- snapshot: capture and restore time against namespace size, beside pickle's floors and
+  dill.
 
 Each returns the PNG's path, or None when the run has no numbers for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,7 @@ def concurrency(levels: dict[int, dict[str, dict[str, Any]]], out: Path) -> Path
     left.legend(fontsize=8)
     right.legend(fontsize=7, ncol=2)
     for ax in (left, right):
+        ax.set_xticks(sorted(levels))  # the levels measured, not a scale between them
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -61,27 +64,53 @@ def concurrency(levels: dict[int, dict[str, dict[str, Any]]], out: Path) -> Path
     return out
 
 
+SNAPSHOT_PANELS = (
+    ("snapshot", [("snapshot", "kernelhub snapshot (API)", "o-", "C0"),
+                  ("dump", "floor: pickle.dump (protocol 5)", "o--", "C7"),
+                  ("dill_dump", "dill.dump", "o:", "C1")]),
+    ("restore", [("restore", "kernelhub restore (minus a cold start)", "s-", "C2"),
+                 ("load", "floor: pickle.load", "s--", "C7"),
+                 ("dill_load", "dill.load", "s:", "C1")]),
+)  # fmt: skip
+# Issue #19's targets, drawn from each size's floor: (floor, label, bound of the floor).
+SNAPSHOT_TARGETS: dict[str, tuple[str, str, Callable[[float], float]]] = {
+    "snapshot": ("dump", "target: 1.5× pickle.dump", lambda floor: 1.5 * floor),
+    "restore": ("load", "target: 2× pickle.load + 0.3 s", lambda floor: 2 * floor + 0.3),
+}
+
+
+def _median_or_none(sample: Any, name: str) -> float | None:
+    try:
+        return float(sample.median(name))
+    except (KeyError, ValueError):  # a run without that contender (dill, say)
+        return None
+
+
+def _plot(ax: Any, points: list[Any], name: str, value: Callable[[float], float], style: str,
+          **kw: Any) -> None:  # fmt: skip
+    xy = [(s.mib, value(y)) for s in points if (y := _median_or_none(s, name)) is not None]
+    if xy:
+        ax.plot(*zip(*xy, strict=True), style, **kw)
+
+
 def snapshot(results: list[Any], out: Path) -> Path | None:
     """``results``: objects with ``mib`` and ``median(name)`` for ``snapshot``, ``dump``,
-    ``load`` and ``restore`` (``bench/snapshot_api.py``'s samples)."""
+    ``dill_dump``, ``restore``, ``load`` and ``dill_load`` (``bench/snapshot_api.py``'s
+    samples); a contender a run lacks is left out. Each panel also draws its target."""
     points = sorted(results, key=lambda s: s.mib)
     if not points:
         return None
-    xs = [s.mib for s in points]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    ax.plot(xs, [s.median("snapshot") for s in points], "o-", color="C0",
-            label="kernelhub snapshot (API)")  # fmt: skip
-    ax.plot(xs, [s.median("dump") for s in points], "o--", color="C7",
-            label="floor: pickle.dump (protocol 5)")  # fmt: skip
-    ax.plot(xs, [s.median("restore") for s in points], "s-",
-            color="C2", label="kernelhub restore (minus a cold start)")  # fmt: skip
-    ax.plot(xs, [s.median("load") for s in points], "s--", color="C8",
-            label="floor: pickle.load")  # fmt: skip
-    ax.set(title="snapshot and restore against namespace size", xlabel="namespace (MiB)",
-           ylabel="seconds (median)")  # fmt: skip
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, (title, lines) in zip(axes, SNAPSHOT_PANELS, strict=True):
+        for name, label, style, color in lines:
+            _plot(ax, points, name, float, style, color=color, label=label)
+        floor, label, bound = SNAPSHOT_TARGETS[title]
+        _plot(ax, points, floor, bound, "-", color="C3", linewidth=0.8, alpha=0.6, label=label)
+        ax.set(title=f"{title} against namespace size", xlabel="numeric namespace (MiB)",
+               ylabel="seconds (median of rounds)")  # fmt: skip
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

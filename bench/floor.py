@@ -36,6 +36,7 @@ FIRST_PRINT = "print('x'); import time; time.sleep(0.3)"
 # The floor's cell: a stock ipykernel sends stdout every 0.2 s unless the cell flushes;
 # that timer is ipykernel's choice, not a cost of getting a print to a client.
 FIRST_PRINT_FLUSH = "print('x', flush=True); import time; time.sleep(0.3)"
+START_TIMEOUT = 120.0  # seconds for a bare container's stock ipykernel to answer
 
 
 async def await_reply(kc: Any, msg_id: str, timeout: float = 60) -> dict[str, Any]:
@@ -171,13 +172,22 @@ class BareContainers:
             while not sdir.sockets_present():
                 await asyncio.sleep(0.005)
             kc.start_channels()
-            while True:  # jupyter_client's wait_for_ready polls slower than the engine
-                msg_id = kc.kernel_info()
+            # jupyter_client's wait_for_ready polls slower than the engine. A reply to any
+            # request counts: under load the first answer comes after the next request is
+            # sent, and waiting for the latest one's reply then kept the loop one reply
+            # behind for ever (the suite hung here at load 20).
+            sent: set[str] = set()
+            deadline = t0 + START_TIMEOUT
+            while time.perf_counter() < deadline:
+                sent.add(kc.kernel_info())
                 with contextlib.suppress(Exception):
                     reply = await kc.get_shell_msg(timeout=0.5)
-                    if reply["parent_header"].get("msg_id") == msg_id:
-                        break
-            return time.perf_counter() - t0
+                    if reply["parent_header"].get("msg_id") in sent:
+                        return time.perf_counter() - t0
+            raise RuntimeError(
+                f"stock ipykernel in a bare container did not answer kernel_info in"
+                f" {START_TIMEOUT:g} s"
+            )
         finally:
             kc.stop_channels()
             if container is not None:

@@ -23,6 +23,7 @@ from websockets.asyncio.client import ClientConnection, connect
 BIG_OUTPUT = "import sys\nfor i in range(500):\n    sys.stdout.write('z' * 100_000 + '\\n')"
 BIG_OUTPUT_LIMITS = {"output_bytes": 64 * MiB, "memory_bytes": 2048 * MiB}
 POOL_GAUGE = "kernelhub_pool_ready"
+CELL_TIMEOUT = 300.0  # seconds: WsSession.run's bound on one cell's frames
 
 
 def free_port() -> int:
@@ -96,7 +97,13 @@ class Gateway:
                 await asyncio.sleep(0.05)
 
     def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=300)
+        # uvicorn closes an idle keep-alive connection after 5 s, httpx's default expiry:
+        # a request sent on one at that moment failed with ReadError (the suite's output
+        # section, at load 10). Expiring ours first leaves no such moment.
+        return httpx.AsyncClient(
+            base_url=self.url, headers=self.headers, timeout=300,
+            limits=httpx.Limits(keepalive_expiry=2.0),
+        )  # fmt: skip
 
     def rss(self) -> int:
         assert self.proc is not None
@@ -212,9 +219,21 @@ class WsSession:
         if self.conn is not None:
             await self.conn.close()
 
-    async def run(self, code: str = "1+1", *, first_stream: bool = False) -> float:
+    async def run(
+        self, code: str = "1+1", *, first_stream: bool = False, timeout: float = CELL_TIMEOUT
+    ) -> float:
         """Seconds from sending ``execute`` to its ``final`` event, or with ``first_stream``
-        to its first ``stream`` event."""
+        to its first ``stream`` event. A cell whose frames do not come in ``timeout``
+        seconds raises (the suite once waited for ever on one at 100 sessions)."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._run(code, first_stream)
+        except TimeoutError:
+            raise RuntimeError(
+                f"session {self.sid}: no `final` frame for {code[:40]!r} in {timeout:g} s"
+            ) from None
+
+    async def _run(self, code: str, first_stream: bool) -> float:
         assert self.conn is not None
         t0 = time.perf_counter()
         request = uuid.uuid4().hex

@@ -3,7 +3,7 @@ Docker client, the engine's backend, the floor kernel, the main gateway and its 
 the peers, and the rows, notes and chart series collected so far.
 
 Sections are functions of a :class:`Suite` (``latency.py``, ``starts.py``, ``load.py``,
-``idle.py``, ``snapshot_section.py``); ``suite.py`` runs them and writes the report.
+``idle.py``, ``snapshot_section.py``, ``durable.py``); ``suite.py`` runs them and writes the report.
 """
 
 from __future__ import annotations
@@ -59,15 +59,19 @@ class Plan:
     snapshot_rows: int
     snapshot_sizes: tuple[int, ...]  # MiB of numeric namespace (bench/snapshot_api.py)
     snapshot_runs: int
+    checkpoint_cells: int  # per session and think time, in blocks of 10 (bench/checkpoints.py)
+    wake_runs: int  # hibernate-and-wake cycles (bench/wake.py)
 
 
 FULL = Plan(rounds=5, warmup=20, exec_per_round=40, first_prints=5, starts=3,
             sessions=(10, 50, 100), peer_sessions=50, cells=10, snapshot_rows=3_000_000,
-            snapshot_sizes=(10, 100, 500), snapshot_runs=3)  # fmt: skip
+            snapshot_sizes=(10, 100, 500), snapshot_runs=3, checkpoint_cells=60,
+            wake_runs=3)  # fmt: skip
 # 100 sessions alone take over a minute to start on 2 cores: --quick stops at 10.
 QUICK = Plan(rounds=3, warmup=3, exec_per_round=5, first_prints=2, starts=1,
              sessions=(4, 10), peer_sessions=10, cells=3, snapshot_rows=100_000,
-             snapshot_sizes=(10,), snapshot_runs=1)  # fmt: skip
+             snapshot_sizes=(10,), snapshot_runs=1, checkpoint_cells=30,
+             wake_runs=1)  # fmt: skip
 
 
 async def gather_limited(limit: int, jobs: Iterable[Callable[[], Awaitable[T]]]) -> list[T]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from targets import Measured, Target, verdict
+
 import kernelhub
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,14 +32,22 @@ class Unavailable(Exception):
 @dataclass(frozen=True)
 class Row:
     """One line of the table. ``value`` is kernelhub's number, ``floor`` what it is
-    compared with (measured in the same run), ``ratio`` value / floor."""
+    compared with (measured in the same run), ``ratio`` value / floor. ``target`` is the
+    issue's bound (``targets.at_most(1.15)``), ``measured`` the number judged against it
+    (the ratio's or the value's spread, in the target's unit): the "met" column is
+    computed from the two (``targets.verdict``)."""
 
     section: str
     measurement: str
     value: str
     floor: str = ""
     ratio: str = ""
-    target: str = ""
+    target: Target | str = ""
+    measured: Measured | None = None
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.target, self.measured)
 
 
 def ms(seconds: float) -> str:
@@ -161,6 +171,15 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
+RESULT_HEADER = ["section", "measurement", "kernelhub", "floor (same run)", "ratio", "target",
+                 "met"]  # fmt: skip
+
+
+def result_cells(row: Row) -> list[str]:
+    return [row.section, row.measurement, row.value, row.floor, row.ratio, str(row.target),
+            row.verdict]  # fmt: skip
+
+
 def markdown(
     *,
     title: str,
@@ -169,16 +188,21 @@ def markdown(
     rows: Sequence[Row],
     notes: Sequence[tuple[str, str]],
     charts: Sequence[tuple[str, str]] = (),
+    sections: Sequence[tuple[str, float, str]] = (),
 ) -> str:
-    """The whole report: preamble, machine, one table of every row, the charts (title,
-    path relative to the report), per-section notes."""
+    """The whole report: preamble, machine, each section's time and the load average
+    before it (name, seconds, load), one table of every row, the charts (title, path
+    relative to the report), per-section notes."""
     lines = [f"# {title}", "", *preamble, "", "## Machine", ""]
     lines += table(["", ""], [[name, value] for name, value in machine])
+    if sections:
+        lines += ["", "## Sections", ""]
+        lines += table(
+            ["section", "took", "load average before it (1, 5, 15 min)"],
+            [[name, f"{took:.0f} s", load] for name, took, load in sections],
+        )
     lines += ["", "## Results", ""]
-    lines += table(
-        ["section", "measurement", "kernelhub", "floor (same run)", "ratio", "target"],
-        [[r.section, r.measurement, r.value, r.floor, r.ratio, r.target] for r in rows],
-    )
+    lines += table(RESULT_HEADER, [result_cells(r) for r in rows])
     if charts:
         lines += ["", "## Charts", ""]
         for chart_title, path in charts:
@@ -187,3 +211,34 @@ def markdown(
     for section, note in notes:
         lines += [f"**{section}.** {note}", ""]
     return "\n".join(lines)
+
+
+BLOCK_START = "<!-- bench:start -->"
+BLOCK_END = "<!-- bench:end -->"
+
+
+def headline(rows: Sequence[Row], source: str) -> str:
+    """The README's block: every row with a target, its number, ratio and verdict, under
+    one line saying which run they come from (``source``)."""
+    targeted = [r for r in rows if r.target]
+    met = sum(r.verdict.startswith("met") for r in targeted)
+    lines = [f"{source} {met} of {len(targeted)} targets met.", ""]
+    lines += table(
+        ["measurement", "kernelhub", "ratio", "target", "met"],
+        [[f"{r.section}: {r.measurement}", r.value, r.ratio, str(r.target), r.verdict]
+         for r in targeted],
+    )  # fmt: skip
+    return "\n".join(lines)
+
+
+def rewrite_block(text: str, block: str) -> str:
+    """``text`` with what lies between :data:`BLOCK_START` and :data:`BLOCK_END` replaced
+    by ``block`` (the markers stay, each on its own line)."""
+    start, end = text.find(BLOCK_START), text.find(BLOCK_END)
+    if text.count(BLOCK_START) != 1 or text.count(BLOCK_END) != 1 or end < start:
+        raise ValueError(
+            f"expected one {BLOCK_START} followed by one {BLOCK_END}; add them where the"
+            " benchmark numbers go"
+        )
+    head = text[: start + len(BLOCK_START)]
+    return f"{head}\n{block.strip()}\n{text[end:]}"

@@ -7,11 +7,15 @@ kernel. Either way its numbers feed the snapshot chart (``charts.py``) when it c
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from typing import Any
 
 import snapshot
 from harness import Suite
 from report import Row
+from rounds import Spread
+from targets import at_most
 
 
 async def snapshots(suite: Suite) -> list[Row]:
@@ -34,8 +38,25 @@ async def snapshots(suite: Suite) -> list[Row]:
         " the kernel's load), with the create less a plain create beside it as a cross-check."
         f" {rounds} interleaved rounds: median, spread min–max.",
     )
-    rows: list[Row] = snapshot_api.rows(results)
-    return rows
+    return [row for s in results for row in judged(snapshot_api.rows([s]), s)]
+
+
+def judged(rows: list[Row], s: Any) -> list[Row]:
+    """``bench/snapshot_api.py``'s rows for one size with issue #19's targets as data, each
+    beside the number it is judged on: the snapshot's per-round ratio to ``pickle.dump``
+    (≤ 1.5×), the restore's time (≤ 2× ``pickle.load`` + 0.3 s, from this size's medians).
+    ``s`` is its samples (``mib``, ``median(name)``, ``rounds[name]``, one value a round)."""
+    snap = Spread.of([a / b for a, b in zip(s.rounds["snapshot"], s.rounds["dump"], strict=True)])
+    restore_bound = 2 * s.median("load") + 0.3
+    out = []
+    for row in rows:
+        if "API snapshot" in row.measurement:
+            row = dataclasses.replace(row, target=at_most(1.5, issue="#19"), measured=snap)
+        elif "API restore" in row.measurement:
+            target = at_most(restore_bound, "s", why="2× pickle.load + 0.3 s", issue="#19")
+            row = dataclasses.replace(row, target=target, measured=Spread.of(s.rounds["restore"]))
+        out.append(row)
+    return out
 
 
 async def _host_kernel(suite: Suite) -> list[Row]:

@@ -38,12 +38,15 @@ def test_concurrency_and_snapshot_charts_are_drawn(tmp_path: Path) -> None:
             {
                 "snapshot": m / 100,
                 "dump": m / 120,
+                "dill_dump": m / 90,
                 "load": m / 200,
+                "dill_load": m / 180,
                 "restore": m / 150,
             },
         )
         for m in (100, 10)
     ]
+    sizes.append(SizeSamples(500, {"snapshot": 5, "dump": 4, "load": 2, "restore": 3}))  # no dill
     drawn = charts.draw({"concurrency": levels, "snapshot": sizes}, tmp_path)
     assert [path.name for _, path in drawn] == ["bench-concurrency.png", "bench-snapshot-size.png"]
     assert all(is_png(path) for _, path in drawn)
