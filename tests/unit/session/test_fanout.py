@@ -4,6 +4,7 @@ in order, across commits inline and on the store thread, and through a failed wr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -340,25 +341,15 @@ async def test_big_events_are_serialized_in_slices_and_keep_their_place(
         ),
         event(5, "after"),
     ]
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    beat = asyncio.create_task(ticker())
-    try:
+    ticks = [0]
+    async with _counting_loop_turns(ticks):
         for e in events:
             fanout.publish(e)
         assert not fanout.joins_this_commit()  # a big one is still being written
         got = await take(sub, len(events))
-    finally:
-        beat.cancel()
     assert [i.seq for i in got] == [1, 2, 3, 4, 5]
     assert [i.prev for i in got] == [0, 1, 2, 3, 4]
-    assert ticks > 2 * (len(image) // jsonslices.SLICE)  # the loop ran between slices
+    assert ticks[0] > 2 * (len(image) // jsonslices.SLICE)  # the loop ran between slices
     for item, e in zip(got, events, strict=True):
         item.body.encode()  # UTF-8: the lone surrogate was escaped
         assert json.loads(item.body) == json.loads(json.dumps(e.model_dump(mode="json")))
@@ -381,23 +372,13 @@ async def test_many_value_events_are_written_a_group_at_a_time(store: SqliteStor
         execution_id="e1", seq=1, data={"application/vnd.plotly.v1+json": figure}, metadata={}
     )
     assert big_event(shown)
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    beat = asyncio.create_task(ticker())
-    try:
+    ticks = [0]
+    async with _counting_loop_turns(ticks):
         fanout.publish(shown)
         fanout.publish(event(2, "after"))
         got = await take(sub, 2)
-    finally:
-        beat.cancel()
     assert [i.seq for i in got] == [1, 2]
-    assert ticks > 20  # the loop ran between the groups
+    assert ticks[0] > 20  # the loop ran between the groups
     assert json.loads(got[0].body) == json.loads(shown.model_dump_json())
     assert list(json.loads(got[0].body)) == list(shown.model_dump(mode="json"))  # field order
     await fanout.close()
@@ -420,3 +401,20 @@ async def test_big_stored_events_read_back_as_the_events_published(store: Sqlite
     got = await store.events_of("e1")
     assert [g.model_dump() for g in got] == [e.model_dump() for e in events]
     await fanout.close()
+
+
+@contextlib.asynccontextmanager
+async def _counting_loop_turns(ticks: list[int]) -> AsyncIterator[None]:
+    """Counts the event loop's turns into ``ticks[0]`` while the block runs: proof that
+    the loop ran between a big event's slices."""
+
+    async def ticker() -> None:
+        while True:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    beat = asyncio.create_task(ticker())
+    try:
+        yield
+    finally:
+        beat.cancel()
