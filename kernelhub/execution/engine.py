@@ -73,6 +73,7 @@ class KernelSession:
         self.id = sandbox.spec.session_id
         self._seq = first_seq
         self._listeners: list[Listener] = []
+        self._gates: list[Callable[[], Awaitable[None] | None]] = []
         self._handles: dict[str, ExecutionHandle] = {}
         self._finished: deque[str] = deque()
         self._tasks: list[asyncio.Task[None]] = []
@@ -91,7 +92,7 @@ class KernelSession:
         )
         self._link = KernelLink(
             sandbox, engine, on_message=self._router.route,
-            on_reset=self._router.connection_reset, alive=lambda: self.alive,
+            on_reset=self._router.connection_reset, alive=lambda: self.alive, room=self._room,
         )  # fmt: skip
         self._worker: CellWorker[Started] = CellWorker(self._run_user_cell)
         escalation = Escalation(
@@ -282,6 +283,20 @@ class KernelSession:
         """Call ``listener`` synchronously with every event of every execution, in order
         (including late output of finished cells). It must not block."""
         self._listeners.append(listener)
+
+    def add_gate(self, gate: Callable[[], Awaitable[None] | None]) -> None:
+        """Back-pressure from a listener: after each kernel message the kernel's pumps
+        call ``gate()``, and if it returns an awaitable they read nothing more until it is
+        done (a listener still serializing or storing earlier output). It must not block,
+        and what it returns must finish without any further kernel message."""
+        self._gates.append(gate)
+
+    def _room(self) -> Awaitable[None] | None:
+        for gate in self._gates:
+            wait = gate()
+            if wait is not None:
+                return wait
+        return None
 
     # -- executing --------------------------------------------------------------------
 

@@ -30,6 +30,14 @@ from kernelhub.store.base import Store
 
 log = logging.getLogger(__name__)
 
+# What a session's fan-out may hold before it asks the kernel's pumps to wait (``room``):
+# bodies not yet committed by the store, and big events waiting to be serialized behind
+# the one being serialized now. Without it, a kernel printing faster than the store
+# commits or jsonslices writes had all of its output held here (50 MiB relayed: ~48 MiB
+# of gateway RSS, most of it parsed stream text waiting in ``_to_encode``).
+BACKLOG_BYTES = 4 * 1024 * 1024
+BACKLOG_BIG_EVENTS = 1
+
 
 class Published(NamedTuple):
     seq: int
@@ -139,6 +147,11 @@ class SessionFanout:
     no writer task, so an event is one loop turn from publish to its clients' queues. Rows
     are committed in order: while a commit of this session's runs on the store thread (a
     big batch), or failed and waits to be retried, later events are held back.
+
+    ``room`` is the back-pressure the kernel's pumps obey (``KernelSession.add_gate``):
+    past ``BACKLOG_BYTES`` of bodies not yet committed, or ``BACKLOG_BIG_EVENTS`` big
+    events waiting to be serialized, it returns a future that is done once the backlog
+    is below both again.
     """
 
     def __init__(
@@ -166,6 +179,9 @@ class SessionFanout:
         self._retry: asyncio.TimerHandle | None = None
         self._to_encode: deque[tuple[Event, int]] = deque()  # big events, in order
         self._encoding: asyncio.Task[None] | None = None  # slicing them, one at a time
+        self._backlog_bytes = 0  # bodies enqueued and not committed yet (held, failed too)
+        self._room: asyncio.Future[None] | None = None  # a pump waits on it
+        self._closed = False
 
     def publish(self, event: Event) -> None:
         prev, self._published_seq = self._published_seq, max(self._published_seq, event.seq)
@@ -184,6 +200,7 @@ class SessionFanout:
         try:
             while self._to_encode:
                 event, prev = self._to_encode.popleft()
+                self._check_room()
                 try:
                     body = await jsonslices.drive(
                         jsonslices.dumps(plain(event), event.model_dump_json)
@@ -195,7 +212,27 @@ class SessionFanout:
         finally:
             self._encoding = None
 
+    def backed_up(self) -> bool:
+        return (
+            self._backlog_bytes > BACKLOG_BYTES or len(self._to_encode) >= BACKLOG_BIG_EVENTS
+        )
+
+    def room(self) -> asyncio.Future[None] | None:
+        """None if the kernel may send more now; else a future done once it may."""
+        if self._closed or not self.backed_up():
+            return None
+        if self._room is None or self._room.done():
+            self._room = asyncio.get_running_loop().create_future()
+        return self._room
+
+    def _check_room(self) -> None:
+        if self._room is not None and not self.backed_up():
+            if not self._room.done():
+                self._room.set_result(None)
+            self._room = None
+
     def _enqueue(self, item: Published) -> None:
+        self._backlog_bytes += len(item.body)
         if self._held or (self._inflight and self.store.pending_commit != self._commit):
             self._held.append(item)
         else:
@@ -245,6 +282,7 @@ class SessionFanout:
     def _stored(self, item: Published, error: Exception | None) -> None:
         self._inflight -= 1
         if error is None:
+            self._backlog_bytes -= len(item.body)
             self._flushed_seq = max(self._flushed_seq, item.seq)
             for sub in self.subscribers:
                 sub.offer(item)
@@ -269,6 +307,7 @@ class SessionFanout:
         else:
             self._release()
         self._settle_flush_waiters()
+        self._check_room()
         for sub in self.subscribers:
             if sub.batch_end is not None:
                 try:
@@ -300,6 +339,9 @@ class SessionFanout:
             self._retry.cancel()
         if self._encoding is not None:
             self._encoding.cancel()
+        self._closed = True  # a closed fan-out holds no one back
+        if self._room is not None and not self._room.done():
+            self._room.set_result(None)
         for sub in list(self.subscribers):
             sub.closed = True
             sub.overflowed = True

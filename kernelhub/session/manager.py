@@ -414,6 +414,7 @@ class SessionManager:
         live.checkpoints = []  # they live in the sandbox: a new sandbox has none
         kernel.after_cell = partial(self.failover.after_cell, live, kernel)
         kernel.add_listener(partial(self.recorder.event, live))
+        kernel.add_gate(live.fanout.room)
         self._spawn(self._watch(live, kernel))
         if self.egress is not None:
             self._spawn(self.egress.bind(live.id, live.stored.owner, kernel))

@@ -418,3 +418,47 @@ async def _counting_loop_turns(ticks: list[int]) -> AsyncIterator[None]:
         yield
     finally:
         beat.cancel()
+
+
+async def test_room_holds_the_kernel_back_while_a_big_event_waits_to_be_serialized(
+    store: SqliteStore,
+) -> None:
+    # The kernel's pumps ask ``room()`` after each message: a big event waiting to be
+    # serialized stops them until the slicing task takes it; the one being sliced does not.
+    fanout = SessionFanout(SID, store)
+    big = "y" * (3 * jsonslices.SLICE)
+    assert fanout.room() is None
+    fanout.publish(event(1, big))
+    first = fanout.room()
+    assert first is not None and not first.done()  # the task has not taken it yet
+    await asyncio.wait_for(first, 5)
+    assert fanout.room() is None  # being sliced: nothing waits behind it
+    fanout.publish(event(2, big))  # waits behind the first: the pumps must stop
+    wait = fanout.room()
+    assert wait is not None and not wait.done()
+    assert fanout.room() is wait  # every pump waits on the same future
+    await asyncio.wait_for(wait, 5)
+    await fanout.flush()
+    assert await stored_seqs(store) == [1, 2]
+    assert fanout.room() is None
+
+
+async def test_room_holds_the_kernel_back_past_the_uncommitted_byte_backlog(
+    store: SqliteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kernelhub.session import fanout as module
+
+    monkeypatch.setattr(module, "BACKLOG_BYTES", 1000)
+    fanout = SessionFanout(SID, store)
+    fanout.publish(event(1, "a" * 600))
+    assert fanout.room() is None  # ~700 bytes of body: under the backlog
+    fanout.publish(event(2, "b" * 600))
+    wait = fanout.room()
+    assert wait is not None and not wait.done()  # past it until the store commits
+    await asyncio.wait_for(wait, 5)
+    assert fanout.room() is None
+    assert await stored_seqs(store) == [1, 2]
+    # A closed fan-out never holds anyone back, even with a backlog.
+    fanout.publish(event(3, "c" * 2000))
+    await fanout.close()
+    assert fanout.room() is None

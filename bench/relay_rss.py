@@ -1,0 +1,65 @@
+"""Gateway RSS growth while relaying 50 MB of stdout (issue #20), two trees interleaved.
+
+    python bench/relay_rss.py [--rounds 3] [--base /work/main]
+
+Starts one gateway from this tree and one from ``--base`` (each its own data directory,
+instance and port, pool off), then runs ``gateway.BIG_OUTPUT`` over a WebSocket on each
+in turn, rotating which goes first; prints each round's peak RSS growth (sampled every
+20 ms) and the machine's load average. Needs Docker and the kernel image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import uuid
+from pathlib import Path
+
+import httpx
+
+import gateway
+
+MiB = 1 << 20
+HERE = Path(__file__).resolve().parent.parent
+
+
+async def main(rounds: int, base: Path) -> None:
+    trees = {"base": base, "this": HERE}
+    gws: dict[str, gateway.Gateway] = {}
+    growth: dict[str, list[float]] = {name: [] for name in trees}
+    with tempfile.TemporaryDirectory(prefix="relay-rss-") as root:
+        try:
+            for name, tree in trees.items():
+                data = Path(root) / name
+                data.mkdir()
+                gws[name] = await gateway.Gateway.launch(
+                    data,
+                    instance=f"relayrss-{uuid.uuid4().hex[:6]}-{name}",
+                    env={"KERNELHUB_POOL__SIZE": "0", "PYTHONPATH": str(tree)},
+                )
+            for r in range(rounds):
+                order = list(trees) if r % 2 == 0 else list(reversed(trees))
+                for name in order:
+                    gw = gws[name]
+                    async with httpx.AsyncClient(
+                        base_url=gw.url, headers=gw.headers, timeout=120
+                    ) as http:
+                        _, grew = await gateway.big_output(gw, http)
+                    growth[name].append(grew / MiB)
+                    print(f"round {r} {name}: +{grew / MiB:.1f} MiB (load {os.getloadavg()})")
+        finally:
+            for gw in gws.values():
+                await gw.stop()
+    for name, g in growth.items():
+        print(f"{name}: median +{statistics.median(g):.1f} MiB, [{min(g):.1f}-{max(g):.1f}]")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--base", type=Path, default=Path("/work/main"))
+    a = p.parse_args()
+    asyncio.run(main(a.rounds, a.base))
