@@ -5,7 +5,7 @@
 Starts one gateway from this tree and one from ``--base`` (each its own data directory,
 instance and port, pool off), then runs ``gateway.BIG_OUTPUT`` over a WebSocket on each
 in turn, rotating which goes first; prints each round's peak RSS growth (sampled every
-20 ms) and the machine's load average. Needs Docker and the kernel image.
+20 ms) and wall time to the ``final`` frame, and the machine's load average. Needs Docker and the kernel image.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ async def main(rounds: int, base: Path) -> None:
     trees = {"base": base, "this": HERE}
     gws: dict[str, gateway.Gateway] = {}
     growth: dict[str, list[float]] = {name: [] for name in trees}
+    walls: dict[str, list[float]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory(prefix="relay-rss-") as root:
         try:
             for name, tree in trees.items():
@@ -47,14 +48,20 @@ async def main(rounds: int, base: Path) -> None:
                     async with httpx.AsyncClient(
                         base_url=gw.url, headers=gw.headers, timeout=120
                     ) as http:
-                        _, grew = await gateway.big_output(gw, http)
+                        wall, grew = await gateway.big_output(gw, http)
                     growth[name].append(grew / MiB)
-                    print(f"round {r} {name}: +{grew / MiB:.1f} MiB (load {os.getloadavg()})")
+                    walls[name].append(wall)
+                    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+                    print(f"round {r} {name}: +{grew / MiB:.1f} MiB in {wall:.2f} s (load {load})")
         finally:
             for gw in gws.values():
                 await gw.stop()
     for name, g in growth.items():
-        print(f"{name}: median +{statistics.median(g):.1f} MiB, [{min(g):.1f}-{max(g):.1f}]")
+        w = walls[name]
+        print(
+            f"{name}: RSS growth median +{statistics.median(g):.1f} MiB [{min(g):.1f}-{max(g):.1f}],"
+            f" wall {statistics.median(w):.2f} s [{min(w):.2f}-{max(w):.2f}]"
+        )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,10 @@ from kernelhub.kernel.connection import SessionDir
 # named without being kept. A hostile kernel can send either: its socket is its own.
 MAX_FRAME_BYTES = 8 * 1024 * 1024 + 256 * 1024
 MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 256 * 1024
-RECEIVE_QUEUE_MESSAGES = 8
+# Two messages of up to 1 MiB: with the fan-out's back-pressure (``KernelSession.add_gate``)
+# what the gateway holds of a flood is these, the one being relayed and the store's backlog
+# (8 here left 50 MB of stdout relayed at ~20 MiB of RSS growth; 2: ~12 MiB).
+RECEIVE_QUEUE_MESSAGES = 2
 # Messages larger than this are verified in a worker thread (hashlib releases the GIL
 # while it checks the signature of a few MiB) and parsed a slice at a time (jsonslices).
 _DECODE_OFF_LOOP_BYTES = 1024 * 1024

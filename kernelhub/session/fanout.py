@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # the one being serialized now. Without it, a kernel printing faster than the store
 # commits or jsonslices writes had all of its output held here (50 MiB relayed: ~48 MiB
 # of gateway RSS, most of it parsed stream text waiting in ``_to_encode``).
-BACKLOG_BYTES = 4 * 1024 * 1024
+BACKLOG_BYTES = 2 * 1024 * 1024
 BACKLOG_BIG_EVENTS = 1
 
 

@@ -200,3 +200,35 @@ async def test_big_messages_stream_whole_and_in_order_through_the_sliced_codec(
     assert shown["metadata"]["note"] == "\x01" + blob[:300_000]
     (error,) = (e for e in events if e["type"] == "error")
     assert error["error"]["value"].startswith("v" * 4096)  # cut to its cap, in its place
+
+
+async def test_a_flood_relayed_under_back_pressure_arrives_whole_and_in_order(
+    shared_gateway: Gateway, http: httpx.AsyncClient, token: str
+) -> None:
+    """30 MB of stdout, faster than the gateway stores and sends it: the kernel's pumps
+    wait for the fan-out (``SessionFanout.room``) instead of the gateway holding the
+    backlog, and nothing is lost or reordered, live over the WebSocket or in the store."""
+    from websockets.asyncio.client import connect
+
+    sid = await new_session(http, token, limits={"output_bytes": 64 * MiB})
+    code = "import sys\nfor i in range(300):\n    sys.stdout.write(f'{i:05d}' + 'z' * 100_000 + '\\n')"
+    expected = "".join(f"{i:05d}" + "z" * 100_000 + "\n" for i in range(300))
+    url = f"{shared_gateway.ws_url}/v1/sessions/{sid}/stream"
+    async with connect(f"{url}?since=0", additional_headers=auth(token), max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "hello"
+        await ws.send(json.dumps({"type": "execute", "code": code, "request_id": "r1"}))
+        events: list[dict[str, Any]] = []
+        while not events or events[-1]["type"] != "final":
+            frame = json.loads(await ws.recv())
+            if frame["type"] == "event":
+                events.append(frame["event"])
+    seqs = [e["seq"] for e in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    live = "".join(e["text"] for e in events if e["type"] == "stream")
+    assert live == expected, (len(live), len(expected))
+    record = events[-1]["record"]
+    assert record["dropped_bytes"] == 0 and record["output_bytes"] == len(expected)
+    r = await http.get(f"/v1/executions/{record['execution_id']}", headers=auth(token))
+    assert r.status_code == 200
+    stored = "".join(e["text"] for e in r.json()["events"] if e["type"] == "stream")
+    assert stored == expected
