@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kernelhub import jsonslices
+from kernelhub import gcpause, jsonslices
 from kernelhub.errors import KernelError, KernelMessageError
 from kernelhub.execution.collector import OVERSIZED_KEY, WIRE_BYTES_KEY
 from kernelhub.kernel.codec import (
@@ -158,14 +158,17 @@ class Receiver:
     async def _parse_large(self, parts: list[Frame]) -> dict[str, Any]:
         """The message of ``parts`` verified in a worker thread (hashlib lets the loop run
         meanwhile), parsed on the loop a slice at a time (json would hold the GIL for the
-        whole frame)."""
+        whole frame). The garbage collector is held off while it is parsed and for the
+        rest of the step that hands it on: the fan-out holds it from there (``gcpause``)."""
         values = []
-        for index, name in JSON_FRAMES:
-            try:
-                value = await jsonslices.drive(jsonslices.loads(parts[index]))
-            except ValueError as exc:  # bad JSON or bad UTF-8
-                raise KernelMessageError(f"kernel message {name} is not JSON: {exc}") from exc
-            values.append(must_be_object(value, name))
+        with gcpause.held():
+            for index, name in JSON_FRAMES:
+                try:
+                    value = await jsonslices.drive(jsonslices.loads(parts[index]))
+                except ValueError as exc:  # bad JSON or bad UTF-8
+                    raise KernelMessageError(f"kernel message {name} is not JSON: {exc}") from exc
+                values.append(must_be_object(value, name))
+            gcpause.hold_this_turn()
         return self.codec.assemble(parts, values)
 
     def reset(self) -> None:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel
 
-from kernelhub import jsonslices
+from kernelhub import gcpause, jsonslices
 from kernelhub.models import QUIET_EVENT_TYPES, Event
 from kernelhub.store.base import Store
 
@@ -194,7 +194,11 @@ class SessionFanout:
         # in model_dump_json); what is published meanwhile waits behind it, in order.
         self._to_encode.append((event, prev))
         if self._encoding is None:
+            # No full collection of the values being written meanwhile (``gcpause``);
+            # released once the task is done, however it ends (even cancelled unstarted).
+            gcpause.hold()
             self._encoding = asyncio.get_running_loop().create_task(self._encode_big())
+            self._encoding.add_done_callback(lambda _: gcpause.release())
 
     async def _encode_big(self) -> None:
         try:
@@ -209,6 +213,7 @@ class SessionFanout:
                     log.exception("session %s: slicing event %d failed", self.session_id, event.seq)
                     body = json.dumps(event.model_dump(mode="json"), default=str)
                 self._enqueue(Published(event.seq, event.execution_id, body, event.type, prev))
+                del event  # its values are freed here, before the collector is back on
         finally:
             self._encoding = None
 

@@ -203,13 +203,14 @@ async def test_big_messages_stream_whole_and_in_order_through_the_sliced_codec(
 
 
 async def test_a_flood_relayed_under_back_pressure_arrives_whole_and_in_order(
-    shared_gateway: Gateway, http: httpx.AsyncClient, token: str
+    shared_gateway: Gateway, http: httpx.AsyncClient
 ) -> None:
     """30 MB of stdout, faster than the gateway stores and sends it: the kernel's pumps
     wait for the fan-out (``SessionFanout.room``) instead of the gateway holding the
     backlog, and nothing is lost or reordered, live over the WebSocket or in the store."""
     from websockets.asyncio.client import connect
 
+    token = shared_gateway.token("flooder")  # its own: this module's sessions stay
     sid = await new_session(http, token, limits={"output_bytes": 64 * MiB})
     code = "import sys\nfor i in range(300):\n    sys.stdout.write(f'{i:05d}' + 'z' * 100_000 + '\\n')"
     expected = "".join(f"{i:05d}" + "z" * 100_000 + "\n" for i in range(300))
