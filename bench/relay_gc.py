@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import loop_cpu
 import zmq
 
-import loop_cpu
 from kernelhub.kernel.client import Receiver
 from kernelhub.kernel.codec import Codec
 from kernelhub.models import DisplayEvent

@@ -18,9 +18,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import httpx
-
 import gateway
+import httpx
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent.parent

@@ -218,9 +218,7 @@ class SessionFanout:
             self._encoding = None
 
     def backed_up(self) -> bool:
-        return (
-            self._backlog_bytes > BACKLOG_BYTES or len(self._to_encode) >= BACKLOG_BIG_EVENTS
-        )
+        return self._backlog_bytes > BACKLOG_BYTES or len(self._to_encode) >= BACKLOG_BIG_EVENTS
 
     def room(self) -> asyncio.Future[None] | None:
         """None if the kernel may send more now; else a future done once it may."""

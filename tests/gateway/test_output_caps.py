@@ -212,7 +212,9 @@ async def test_a_flood_relayed_under_back_pressure_arrives_whole_and_in_order(
 
     token = shared_gateway.token("flooder")  # its own: this module's sessions stay
     sid = await new_session(http, token, limits={"output_bytes": 64 * MiB})
-    code = "import sys\nfor i in range(300):\n    sys.stdout.write(f'{i:05d}' + 'z' * 100_000 + '\\n')"
+    code = (
+        "import sys\nfor i in range(300):\n    sys.stdout.write(f'{i:05d}' + 'z' * 100_000 + '\\n')"
+    )
     expected = "".join(f"{i:05d}" + "z" * 100_000 + "\n" for i in range(300))
     url = f"{shared_gateway.ws_url}/v1/sessions/{sid}/stream"
     async with connect(f"{url}?since=0", additional_headers=auth(token), max_size=None) as ws:
