@@ -235,3 +235,45 @@ async def test_a_flood_relayed_under_back_pressure_arrives_whole_and_in_order(
     assert r.status_code == 200
     stored = "".join(e["text"] for e in r.json()["events"] if e["type"] == "stream")
     assert stored == expected
+
+
+async def test_a_100k_record_display_arrives_whole_live_stored_and_exported(
+    shared_gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    """~6.5 MB of small records in one display (under the sandbox's 8 MiB cut): the
+    gateway parses and writes it a slice at a time with the garbage collector held off
+    (``gcpause``); the same value reaches a WebSocket client, the stored execution and
+    the notebook export, charged in full."""
+    from websockets.asyncio.client import connect
+
+    token = shared_gateway.token("recorder")  # its own: this module's sessions stay
+    sid = await new_session(http, token, limits={"output_bytes": 32 * MiB})
+    code = (
+        "from IPython.display import display\n"
+        "rows = [{'a': i, 'b': 'xé\\\\\"', 'c': [i / 7, None, True]} for i in range(100_000)]\n"
+        "display({'application/json': rows, 'text/plain': 'rows'}, raw=True,"
+        " metadata={'application/json': {'expanded': False}})\n"
+    )
+    rows = [{"a": i, "b": 'xé\\"', "c": [i / 7, None, True]} for i in range(100_000)]
+    url = f"{shared_gateway.ws_url}/v1/sessions/{sid}/stream"
+    async with connect(f"{url}?since=0", additional_headers=auth(token), max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "hello"
+        await ws.send(json.dumps({"type": "execute", "code": code, "request_id": "r1"}))
+        events: list[dict[str, Any]] = []
+        while not events or events[-1]["type"] != "final":
+            frame = json.loads(await ws.recv())
+            if frame["type"] == "event":
+                events.append(frame["event"])
+    (shown,) = (e for e in events if e["type"] == "display")
+    assert shown["data"] == {"application/json": rows, "text/plain": "rows"}
+    assert shown["metadata"] == {"application/json": {"expanded": False}}
+    record = events[-1]["record"]
+    assert record["status"] == "completed" and record["dropped_bytes"] == 0
+    assert record["output_bytes"] > 4 * MiB
+    r = await http.get(f"/v1/executions/{record['execution_id']}", headers=auth(token))
+    (stored,) = (e for e in r.json()["events"] if e["type"] == "display")
+    assert stored == shown
+    nb = (await http.get(f"/v1/sessions/{sid}/notebook", headers=auth(token))).json()
+    outputs = [o for cell in nb["cells"] for o in cell.get("outputs", [])]
+    (exported,) = (o for o in outputs if o["output_type"] == "display_data")
+    assert exported["data"]["application/json"] == rows
