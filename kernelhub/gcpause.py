@@ -11,9 +11,9 @@ parse until the fan-out has serialized the event (and let it go).
 
 Holds are counted; the collector is on again when the last is released. What it would
 have freed meanwhile (other code's cycles) waits at most ``MAX_HOLD_SECONDS``: a hold
-taken later than that after the collector went off collects once first, so a kernel
-sending huge messages back to back costs one pause per interval, not unbounded memory.
-Only code that started with the collector on turns it off or on again.
+taken (or :func:`keep_bounded` called) later than that after the collector went off
+collects once first, so a kernel sending huge messages back to back costs one pause per
+interval, not unbounded memory. Only code that started with the collector on turns it off or on again.
 """
 
 from __future__ import annotations
@@ -39,10 +39,19 @@ def hold() -> None:
         if _ours:
             gc.disable()
             _since = time.monotonic()
-    elif _ours and time.monotonic() - _since > MAX_HOLD_SECONDS:
-        gc.collect()  # see the module: bounded, one pause per interval
-        _since = time.monotonic()
+    else:
+        keep_bounded()
     _holds += 1
+
+
+def keep_bounded() -> None:
+    """Collect once if the collector has been held off longer than ``MAX_HOLD_SECONDS``
+    (see the module): called on every further hold, and by a holder that keeps its hold
+    across many documents (the fan-out, once per event it slices)."""
+    global _since
+    if _holds and _ours and time.monotonic() - _since > MAX_HOLD_SECONDS:
+        gc.collect()
+        _since = time.monotonic()
 
 
 def release() -> None:

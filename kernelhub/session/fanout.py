@@ -205,6 +205,7 @@ class SessionFanout:
             while self._to_encode:
                 event, prev = self._to_encode.popleft()
                 self._check_room()
+                gcpause.keep_bounded()  # a long run of big events: one collection per interval
                 try:
                     body = await jsonslices.drive(
                         jsonslices.dumps(plain(event), event.model_dump_json)

@@ -86,3 +86,15 @@ async def test_the_fanout_holds_it_while_a_big_event_is_sliced(tmp_path: object)
         assert gc.isenabled()
     finally:
         await store.close()
+
+
+def test_one_long_hold_is_bounded_by_its_holders_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    collected: list[int] = []
+    monkeypatch.setattr(gcpause.gc, "collect", lambda *a: collected.append(1) or 0)
+    gcpause.keep_bounded()  # no hold: nothing to bound
+    with gcpause.held():
+        gcpause.keep_bounded()  # within the interval
+        assert collected == []
+        monkeypatch.setattr(gcpause, "MAX_HOLD_SECONDS", 0.0)
+        gcpause.keep_bounded()
+    assert collected == [1]
