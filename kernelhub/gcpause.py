@@ -13,7 +13,8 @@ Holds are counted; the collector is on again when the last is released. What it 
 have freed meanwhile (other code's cycles) waits at most ``MAX_HOLD_SECONDS``: a hold
 taken (or :func:`keep_bounded` called) later than that after the collector went off
 collects once first, so a kernel sending huge messages back to back costs one pause per
-interval, not unbounded memory. Only code that started with the collector on turns it off or on again.
+interval, not unbounded memory. Only code that started with the collector on turns it off
+or on again.
 """
 
 from __future__ import annotations
