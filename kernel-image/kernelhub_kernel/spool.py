@@ -70,9 +70,7 @@ class Spool:
         """
         try:
             parts = frames[-4:]
-            packed = len(parts) == 4 and all(
-                isinstance(p, bytes) and p[:1] == b"{" for p in parts
-            )
+            packed = len(parts) == 4 and all(isinstance(p, bytes) and p[:1] == b"{" for p in parts)
             with self._lock:
                 self._record(msg, parts if packed else None)
         except Exception:  # never into the kernel's send path
