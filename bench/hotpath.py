@@ -10,8 +10,8 @@ divided by the block's cells:
   gateway process (and its main thread apart), the kernels' containers (their cgroups),
   and this process (the clients);
 - ``before`` (with ``--baseline DIR``): the same on a second gateway running the
-  ``kernelhub`` package found in DIR (``git archive <commit> kernelhub | tar -x -C DIR``):
-  before and after a change in one run;
+  ``kernelhub`` package found in DIR (``git archive <commit> kernelhub | tar -x -C DIR``),
+  and/or (``--before-image TAG``) another kernel image: before and after a change in one run;
 - ``floor``: N stock ipykernels on the host, each driven by jupyter_client
   (``bench/floor.py``): the kernels and this process (the clients).
 
@@ -203,6 +203,9 @@ async def main() -> int:
     parser.add_argument("--blocks", type=int, default=5, help="blocks of each contender")
     parser.add_argument("--sessions", type=int, default=1)
     parser.add_argument("--baseline", type=Path, help="a directory holding the old kernelhub")
+    parser.add_argument(
+        "--before-image", help="the 'before' gateway's kernel image (KERNELHUB_DOCKER__IMAGE)"
+    )
     parser.add_argument("--profile", type=Path, help="py-spy file of the gateway")
     parser.add_argument("--profile-kernel", type=Path, help="py-spy file of a kernel")
     parser.add_argument("--no-floor", action="store_true")
@@ -231,11 +234,14 @@ async def main() -> int:
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(shutil.rmtree, root, ignore_errors=True)
         ours, contenders["kernelhub"] = await Ours.start(root, "kernelhub", n, env, stack)
-        if args.baseline:
-            path = f"{args.baseline.resolve()}:{os.environ.get('PYTHONPATH', '')}"
-            _, contenders["before"] = await Ours.start(
-                root, "before", n, {**env, "PYTHONPATH": path}, stack
-            )
+        if args.baseline or args.before_image:
+            before_env = dict(env)
+            if args.baseline:
+                path = f"{args.baseline.resolve()}:{os.environ.get('PYTHONPATH', '')}"
+                before_env["PYTHONPATH"] = path
+            if args.before_image:
+                before_env["KERNELHUB_DOCKER__IMAGE"] = args.before_image
+            _, contenders["before"] = await Ours.start(root, "before", n, before_env, stack)
         if not args.no_floor:
             floors = await gather_limited(8, [lambda: FloorKernel.start(root)] * n)
             stack.push_async_callback(

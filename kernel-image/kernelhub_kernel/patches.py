@@ -353,8 +353,10 @@ def deliver_fd_output_in_its_cell(shell: Any, streams: list[SandboxOutStream]) -
     A subprocess's output sits in the pipe until the watcher thread reads it, which may
     be after the kernel sent the execute_reply: the output then lands after the cell ended
     (or, in stock ipykernel, in the next cell). At the end of each cell we write a marker
-    to each fd and wait, at most ``FD_SYNC_TIMEOUT``, until the watcher has read up to it,
-    then flush; ipykernel sends the reply after our post_execute hook.
+    to each fd and wait, at most ``FD_SYNC_TIMEOUT``, until the watcher has read up to it.
+    No flush of our own: ipykernel's ``execute_request`` flushes both streams after
+    ``do_execute`` (which runs this hook) and before it sends the reply, and each flush is
+    a round trip to the IOPub thread, two per cell that stock ipykernel does not pay.
     """
 
     def pre_execute() -> None:
@@ -369,7 +371,6 @@ def deliver_fd_output_in_its_cell(shell: Any, streams: list[SandboxOutStream]) -
                 if done is not None:
                     done.wait(max(0.0, deadline - time.monotonic()))
                 stream.end_cell()
-                stream.flush()
         except KeyboardInterrupt:
             # An interrupt meant for the cell that just ended; IPython would print its
             # traceback as an error in the hook.

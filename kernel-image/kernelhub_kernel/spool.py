@@ -56,11 +56,27 @@ class Spool:
     def record(self, msg: Mapping[str, Any]) -> None:
         try:
             with self._lock:
-                self._record(msg)
+                self._record(msg, None)
         except Exception:  # never into the kernel's send path
             self._dropped_messages += 1
 
-    def _record(self, msg: Mapping[str, Any]) -> None:
+    def record_packed(self, msg: Mapping[str, Any], frames: list[Any]) -> None:
+        """Like ``record``, reusing the message as the Session already packed it.
+
+        ``frames`` ends with the four packed parts (header, parent header, metadata,
+        content), each a JSON object: the line is those bytes put together, so a spooled
+        message costs no second encoding (``json.dumps`` with a ``default`` for the
+        header's datetime was most of the spool's share of a cell's CPU).
+        """
+        try:
+            parts = frames[-4:]
+            packed = len(parts) == 4 and all(isinstance(p, bytes) and p[:1] == b"{" for p in parts)
+            with self._lock:
+                self._record(msg, parts if packed else None)
+        except Exception:  # never into the kernel's send path
+            self._dropped_messages += 1
+
+    def _record(self, msg: Mapping[str, Any], packed: list[bytes] | None) -> None:
         header = msg.get("header") or {}
         parent = msg.get("parent_header") or {}
         msg_type = header.get("msg_type")
@@ -70,7 +86,7 @@ class Spool:
         if msg_type == "status" and parent_id != self._cell:
             # The `busy` of a request comes before we know whether it is a user cell.
             if (msg.get("content") or {}).get("execution_state") == "busy":
-                self._busy = {parent_id: msg}
+                self._busy = {parent_id: (msg, packed)}
             return
         if msg_type == "execute_input":
             self._start(parent_id, msg)
@@ -78,11 +94,14 @@ class Spool:
             return
         if msg_type not in _ALWAYS and self._written >= self.max_bytes:
             # Full: counted without being encoded (a flood must not pay for it twice).
-            content = msg.get("content") or {}
-            self._dropped_bytes += len(str(content.get("text", ""))) or 256
+            if packed is not None:
+                self._dropped_bytes += sum(len(p) for p in packed)
+            else:
+                content = msg.get("content") or {}
+                self._dropped_bytes += len(str(content.get("text", ""))) or 256
             self._dropped_messages += 1
             return
-        line: dict[str, Any] = {"m": _plain(msg)}
+        stamp: float | None = None
         if msg_type == "execute_reply":
             if self._dropped_bytes or self._dropped_messages:
                 self._write(
@@ -92,8 +111,8 @@ class Spool:
                     },
                     force=True,
                 )
-            line["t"] = time.time()
-        self._write(line, force=msg_type in _ALWAYS)
+            stamp = time.time()
+        self._write_message(msg, packed, stamp, force=msg_type in _ALWAYS)
 
     def _start(self, cell: str, execute_input: Mapping[str, Any]) -> None:
         if self._fd is None:
@@ -108,12 +127,39 @@ class Spool:
         self._write({"cell": cell, "code_sha256": digest, "t": time.time()}, force=True)
         busy = self._busy.pop(cell, None)
         if busy is not None:
-            self._write({"m": _plain(busy)}, force=True)
+            self._write_message(*busy, None, force=True)
+
+    def _write_message(
+        self,
+        msg: Mapping[str, Any],
+        packed: list[bytes] | None,
+        stamp: float | None,
+        *,
+        force: bool,
+    ) -> None:
+        if packed is None:
+            line: dict[str, Any] = {"m": _plain(msg)}
+            if stamp is not None:
+                line["t"] = stamp
+            self._write(line, force=force)
+            return
+        header, parent, metadata, content = packed
+        tail = b"}}\n" if stamp is None else b'},"t":%r}\n' % stamp
+        data = b"".join(
+            (
+                b'{"m":{"header":', header, b',"parent_header":', parent,
+                b',"metadata":', metadata, b',"content":', content, tail,
+            )
+        )  # fmt: skip
+        self._write_data(data, force=force)
 
     def _write(self, line: dict[str, Any], *, force: bool) -> None:
         data = (json.dumps(line, default=str, ensure_ascii=False) + "\n").encode(
             "utf-8", "surrogatepass"
         )
+        self._write_data(data, force=force)
+
+    def _write_data(self, data: bytes, *, force: bool) -> None:
         if self._fd is None or (not force and self._written + len(data) > self.max_bytes):
             self._dropped_bytes += len(data)
             self._dropped_messages += 1
@@ -144,14 +190,19 @@ def spool_from(environ: Mapping[str, str]) -> Spool | None:
 
 
 def install(session_class: Any, spool: Spool) -> None:
-    """Record every message ``session_class.send`` sends (iopub and shell alike)."""
-    send = session_class.send
+    """Record every message ``session_class`` packs to send (iopub and shell alike).
 
-    def send_and_spool(self: Any, *args: Any, **kwargs: Any) -> Any:
-        msg = send(self, *args, **kwargs)
+    ``Session.send`` packs each message it sends with ``serialize`` (nothing else calls
+    it), so recording there sees what ``send`` saw, already encoded, just before it goes
+    out; install after ``bounds.bound_messages`` to record the bounded frames.
+    """
+    serialize = session_class.serialize
+
+    def serialize_and_spool(self: Any, msg: Any, ident: Any = None) -> Any:
+        frames = serialize(self, msg, ident)
         if isinstance(msg, dict):
             with contextlib.suppress(Exception):
-                spool.record(msg)
-        return msg
+                spool.record_packed(msg, frames)
+        return frames
 
-    session_class.send = send_and_spool
+    session_class.serialize = serialize_and_spool

@@ -133,28 +133,59 @@ def test_no_state_directory_means_no_spool(tmp_path: Path) -> None:
     assert spool.spool_from({"KERNELHUB_SNAPSHOTS": str(tmp_path / "absent")}) is None
 
 
-def test_install_spools_what_send_returns_and_survives_a_failing_spool(tmp_path: Path) -> None:
-    class Session:
-        def send(self, stream: Any, msg_type: str, content: Any = None, parent: Any = None) -> Any:
-            return msg(msg_type, parent["msg_id"], **(content or {}))
+def test_install_spools_what_a_real_session_sends_as_it_packed_it(tmp_path: Path) -> None:
+    from jupyter_client.session import Session
+
+    class SpooledSession(Session):
+        pass
+
+    class Stream:
+        def __init__(self) -> None:
+            self.sent: list[list[bytes]] = []
+
+        def send_multipart(self, frames: list[bytes], *args: Any, **kwargs: Any) -> None:
+            self.sent.append(frames)
 
     path = tmp_path / spool.SPOOL_FILE
     s = spool.Spool(str(path), 1 << 20)
-    spool.install(Session, s)
-    sent = Session().send(None, "execute_input", {"code": "1"}, {"msg_id": "c9"})
-    assert sent["header"]["msg_type"] == "execute_input"
-    assert lines(path)[0]["cell"] == "c9"
+    spool.install(SpooledSession, s)
+    session, stream = SpooledSession(key=b"k"), Stream()
+    request = {"msg_id": "c9", "msg_type": "execute_request"}
+    session.send(stream, "status", {"execution_state": "busy"}, parent=request)
+    session.send(stream, "execute_input", {"code": "1", "n": "\u00e9\n"}, parent=request)
+    session.send(stream, "execute_reply", {"status": "ok"}, parent=request)
+    got = lines(path)
+    assert got[0]["cell"] == "c9"
+    # Each spooled message is the one on the wire: the same four JSON parts, the header's
+    # datetime as the Session wrote it.
+    on_wire = [[json.loads(f) for f in frames[-4:]] for frames in stream.sent]
+    spooled = [
+        [g["m"][k] for k in ("header", "parent_header", "metadata", "content")] for g in got[1:]
+    ]
+    assert spooled == on_wire
+    assert got[2]["m"]["content"]["n"] == "\u00e9\n"
+    assert isinstance(got[-1]["t"], float) and "t" not in got[1]
 
     class Broken:
-        def record(self, msg: Any) -> None:
+        def record_packed(self, msg: Any, frames: Any) -> None:
             raise RuntimeError("disk on fire")
 
     class Other:
-        def send(self, *args: Any) -> Any:
-            return {"ok": True}
+        def serialize(self, msg: Any, ident: Any = None) -> Any:
+            return [b"frames"]
 
     spool.install(Other, Broken())
-    assert Other().send() == {"ok": True}
+    assert Other().serialize({"header": {}}) == [b"frames"]
+
+
+def test_unpacked_frames_fall_back_to_encoding_the_message(tmp_path: Path) -> None:
+    path = tmp_path / spool.SPOOL_FILE
+    s = spool.Spool(str(path), 1 << 20)
+    s.record_packed(msg("execute_input", "c1", code="x"), [b"<DELIM>", b"sig"])
+    s.record_packed(msg("stream", "c1", name="stdout", text="hi\n"), [b"not", b"json", b"x", b"y"])
+    got = lines(path)
+    assert got[0]["cell"] == "c1"
+    assert got[2]["m"]["content"]["text"] == "hi\n"
 
 
 def test_once_full_a_flood_is_counted_by_its_text_without_being_encoded(tmp_path: Path) -> None:
