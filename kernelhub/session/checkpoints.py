@@ -17,6 +17,12 @@ The grace is a choice between two guarantees, both precise:
   that followed that much idle time, and inside a burst goes back to the checkpoint
   before it, naming the cells that undoes too.
 
+A cell that changed nothing a checkpoint keeps (``1+1``, ``print(df.shape)``) takes no
+capture at all: the kernel says so in its execute_reply (``kernelhub_unchanged_since``,
+the name of its last capture) and the cell is recorded as covered by that checkpoint,
+``(count, same name)``; a directory goes only when no entry names it. Images that never
+say so get a capture after every cell, as before.
+
 An agent thinking between cells (seconds, usually) gets a checkpoint after each cell
 either way, for none of its cells' time. Used by
 :class:`~kernelhub.session.continuity.Continuity`, which owns the rest of the session's
