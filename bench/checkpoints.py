@@ -48,10 +48,19 @@ CELLS = [
     "rows = len(frame)",
     "note = f'step {counter}'",
 ]
+# ``--read-only``: cells that change nothing a checkpoint keeps (the kernel says so and
+# the gateway takes no capture after them: kernelhub_unchanged_since).
+READ_ONLY_CELLS = [
+    "print(counter)",
+    "len(frame)",
+    "float(big[:1000].sum())",
+    "small['k1']",
+    "f'step {counter}'",
+]
 
 
 async def cell_latencies(
-    gw: Gateway, sids: dict[str, str], cells: int, think: float
+    gw: Gateway, sids: dict[str, str], cells: int, think: float, cells_run: list[str]
 ) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {mode: [] for mode in sids}
     clients = {mode: WsSession(gw, sid) for mode, sid in sids.items()}  # one stream each
@@ -68,7 +77,7 @@ async def cell_latencies(
                 for i in range(start, min(start + BLOCK, cells)):
                     if think:
                         await asyncio.sleep(think)
-                    code = CELLS[i % len(CELLS)]
+                    code = cells_run[i % len(cells_run)]
                     out[mode].append(await clients[mode].run(code))
                 await asyncio.sleep(BETWEEN_BLOCKS)
     finally:
@@ -77,7 +86,9 @@ async def cell_latencies(
     return out
 
 
-async def measure(cells: int, think: float, grace: float | None) -> dict[str, list[float]]:
+async def measure(
+    cells: int, think: float, grace: float | None, cells_run: list[str]
+) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory(prefix="kh-bench-ckpt-") as tmp:
         instance = f"bck-{uuid.uuid4().hex[:6]}"
         env = {"KERNELHUB_GATEWAY__HIBERNATE_AFTER": "3600"}
@@ -94,7 +105,7 @@ async def measure(cells: int, think: float, grace: float | None) -> dict[str, li
                     "off": await create_session(http, {"limits": limits, "checkpoints": "off"}),
                 }
                 try:
-                    return await cell_latencies(gw, sids, cells, think)
+                    return await cell_latencies(gw, sids, cells, think, cells_run)
                 finally:
                     for sid in sids.values():
                         await delete_session(http, sid)
@@ -128,11 +139,17 @@ def main() -> None:
         "--grace", type=float, default=None, help="KERNELHUB_GATEWAY__CHECKPOINT_GRACE (s)"
     )
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--read-only", action="store_true", help="cells that change nothing")
     args = parser.parse_args()
     thinks = args.think or [0.2, 0.0]
     t0 = time.monotonic()
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    results = {t: asyncio.run(measure(args.cells, t, args.grace)) for t in thinks}
+    results = {
+        t: asyncio.run(
+            measure(args.cells, t, args.grace, READ_ONLY_CELLS if args.read_only else CELLS)
+        )
+        for t in thinks
+    }
     grace = "the default" if args.grace is None else f"{args.grace:g} s"
     text = (
         report(results)

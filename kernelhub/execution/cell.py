@@ -125,6 +125,7 @@ class CellRunner:
         elif status == ExecutionStatus.KERNEL_DIED and exit_info is not None:
             reason = exit_info.reason
         handle.user_expressions = collector.user_expressions
+        handle.unchanged_since = collector.unchanged_since
         for event in collector.finish():
             self._emit(handle, event)
         record = finished_record(

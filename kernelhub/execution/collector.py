@@ -51,6 +51,7 @@ _STREAM_ENVELOPE_BYTES = 4096
 # (``kernelhub_kernel.bounds.bound_messages``).
 SANDBOX_CUT_KEY = "kernelhub_truncated"
 # Not output: the protocol's own bookkeeping for the request.
+UNCHANGED_KEY = "kernelhub_unchanged_since"
 _UNCHARGED = frozenset({"status", "execute_input", "execute_reply"})
 
 
@@ -96,6 +97,9 @@ class OutputCollector:
         self.reply_seen = False
         self.idle_seen = False
         self.reply_status: str | None = None
+        # The reply's ``kernelhub_unchanged_since`` (the kernel's last capture, when the
+        # cell changed nothing it keeps): the checkpoint after the cell is skipped.
+        self.unchanged_since: str | None = None
         self.execution_count: int | None = None
         self.error: CellError | None = None
         self.user_expressions: dict[str, Any] = {}
@@ -192,6 +196,10 @@ class OutputCollector:
             return []
         if msg_type in _UNCHARGED:
             self._bookkeeping(msg_type, content)
+            if msg_type == "execute_reply":
+                metadata = msg.get("metadata")
+                name = metadata.get(UNCHANGED_KEY) if isinstance(metadata, Mapping) else None
+                self.unchanged_since = name if isinstance(name, str) else None
             return []
         if msg_type == "stream":
             name = content.get("name")

@@ -45,6 +45,7 @@ class ExecutionHandle:
         # never reach listeners; ``internal`` holds the user_expressions to evaluate.
         self.internal = internal
         self.user_expressions: dict[str, Any] = {}
+        self.unchanged_since: str | None = None  # see ExecutionCollector.unchanged_since
         self.id = execution_id
         self.code = code
         self.timeout = timeout

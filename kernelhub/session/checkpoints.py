@@ -17,6 +17,12 @@ The grace is a choice between two guarantees, both precise:
   that followed that much idle time, and inside a burst goes back to the checkpoint
   before it, naming the cells that undoes too.
 
+A cell that changed nothing a checkpoint keeps (``1+1``, ``print(df.shape)``) takes no
+capture at all: the kernel says so in its execute_reply (``kernelhub_unchanged_since``,
+the name of its last capture) and the cell is recorded as covered by that checkpoint,
+``(count, same name)``; a directory goes only when no entry names it. Images that never
+say so get a capture after every cell, as before.
+
 An agent thinking between cells (seconds, usually) gets a checkpoint after each cell
 either way, for none of its cells' time. Used by
 :class:`~kernelhub.session.continuity.Continuity`, which owns the rest of the session's
@@ -66,6 +72,31 @@ def checkpoint_delay(
     return grace
 
 
+def unreferenced(dropped: list[tuple[int, str]], kept: list[tuple[int, str]]) -> list[str]:
+    """The checkpoint directories of ``dropped`` entries no ``kept`` entry names, each once
+    (a cell that changed nothing shares the directory of the checkpoint before it)."""
+    still = {name for _, name in kept}
+    return list(dict.fromkeys(name for _, name in dropped if name not in still))
+
+
+def alias_for(
+    checkpoints: list[tuple[int, str]], unchanged_since: str | None, pending: bool
+) -> str | None:
+    """The checkpoint a cell that the kernel reported unchanged since ``unchanged_since``
+    is covered by: the session's last one, if that is the capture the kernel means and no
+    other capture is pending (it would cover the cell anyway). None: capture as usual."""
+    if unchanged_since is None or pending or not checkpoints:
+        return None
+    return unchanged_since if checkpoints[-1][1] == unchanged_since else None
+
+
+def next_count_after(checkpoints: list[tuple[int, str]], after: int, name: str) -> int | None:
+    """The execution count to restore with checkpoint ``(after, name)``: None for its own
+    capture's, ``after + 1`` when it is an alias (an earlier entry took that directory)."""
+    first = next((count for count, n in checkpoints if n == name), after)
+    return None if first == after else after + 1
+
+
 class Checkpoints:
     """Schedules and takes the automatic checkpoints of every session (see the module).
     ``spawn``: run a task the session manager owns."""
@@ -86,6 +117,8 @@ class Checkpoints:
         record = handle.record
         if record is None or record.status not in _CHECKPOINTED:
             return
+        if self._covered(live, kernel, handle, record.execution_count or 0):
+            return
         now = time.monotonic()
         delay = checkpoint_delay(
             live.checkpoint_policy, self.settings.gateway.checkpoint_grace, now,
@@ -95,6 +128,37 @@ class Checkpoints:
             return
         live.checkpoint_count = record.execution_count or 0
         self._arm(live, kernel, delay)
+
+    def _covered(
+        self, live: LiveSession, kernel: KernelSession, handle: ExecutionHandle, count: int
+    ) -> bool:
+        """A cell that changed nothing a checkpoint keeps (the kernel said so in its
+        reply) is covered by the last checkpoint: recorded as ``(count, same name)``, so
+        rewind to the cell after it and recovery find it, with no capture at all. Old
+        images never say so: every cell gets its capture."""
+        if live.checkpoint_policy == "off":
+            return False
+        pending = live.checkpoint_due is not None or live.checkpoint_count is not None
+        name = alias_for(live.checkpoints, handle.unchanged_since, pending)
+        if name is None:
+            return False
+        live.checkpoints.append((count, name))
+        live.since_checkpoint.clear()  # the state is the checkpoint's: nothing is lost
+        live.unchanged_execution = handle.id
+        if len(live.checkpoints) > self.MAX_CHECKPOINTS:
+            self._spawn(self._trim(live, kernel))
+        return True
+
+    async def _trim(self, live: LiveSession, kernel: KernelSession) -> None:
+        """Drop the oldest entries past MAX_CHECKPOINTS, and the directories no entry
+        left names."""
+        excess = len(live.checkpoints) - self.MAX_CHECKPOINTS
+        if excess <= 0:
+            return
+        dropped, live.checkpoints = live.checkpoints[:excess], live.checkpoints[excess:]
+        for old in unreferenced(dropped, live.checkpoints):
+            with contextlib.suppress(KernelhubError):
+                await kernel.call(calls.remove(old), {}, timeout=60, background=True)
 
     @staticmethod
     def cancel(live: LiveSession) -> None:
@@ -166,7 +230,8 @@ class Checkpoints:
                     )
                     return
                 keep = live.checkpoints[-1:] if attempt == 0 else []
-                for _, old in live.checkpoints[: len(live.checkpoints) - len(keep)]:
+                dropped = live.checkpoints[: len(live.checkpoints) - len(keep)]
+                for old in unreferenced(dropped, keep):
                     await kernel.call(calls.remove(old), {}, timeout=60, background=True)
                 live.checkpoints = keep
                 base = keep[-1][1] if keep else None
@@ -179,9 +244,7 @@ class Checkpoints:
             live.id,
             (time.monotonic() - t0) * 1000,
         )
-        while len(live.checkpoints) > self.MAX_CHECKPOINTS:
-            _, old = live.checkpoints.pop(0)
-            await kernel.call(calls.remove(old), {}, timeout=60, background=True)
+        await self._trim(live, kernel)
 
     async def _capture(
         self, live: LiveSession, kernel: KernelSession, name: str, base: str | None

@@ -27,7 +27,7 @@ from kernelhub.config import Settings
 from kernelhub.errors import KernelError, KernelhubError, NotFoundError, SessionError
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
 from kernelhub.sandbox.base import SandboxBackend
-from kernelhub.session.checkpoints import Checkpoints
+from kernelhub.session.checkpoints import Checkpoints, next_count_after, unreferenced
 from kernelhub.session.live import LiveSession
 from kernelhub.session.recorder import Recorder
 from kernelhub.session.standby import Standby, info_modules, kept_capture, top_modules
@@ -119,9 +119,10 @@ class Continuity:
             after = None
             if usable:
                 after, directory = usable[-1]
+                count = next_count_after(live.checkpoints, after, directory)
                 result = calls.result(
                     await kernel.call(
-                        calls.restore(directory),
+                        calls.restore(directory, count),
                         calls.RESULT,
                         timeout=self.settings.gateway.snapshot_timeout,
                     )
@@ -129,9 +130,11 @@ class Continuity:
                 restored = list(result.get("restored", []))
                 failed = {str(k): str(v) for k, v in dict(result.get("failed", {})).items()}
             # Checkpoints of the abandoned future go; later ones build on the restored one.
-            for _, d in [c for c in live.checkpoints if c[0] >= before_cell]:
+            kept = [c for c in live.checkpoints if c[0] < before_cell]
+            dropped = [c for c in live.checkpoints if c[0] >= before_cell]
+            for d in unreferenced(dropped, kept):  # a kept alias may share a directory
                 await kernel.call(calls.remove(d), {}, timeout=60)
-            live.checkpoints = [c for c in live.checkpoints if c[0] < before_cell]
+            live.checkpoints = kept
             return RewindReport(
                 before_cell=before_cell,
                 checkpoint_after_cell=after,

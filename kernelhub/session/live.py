@@ -51,6 +51,7 @@ class LiveSession:
     revives: Callable[[LiveSession], bool] | None = None
     checkpoint_policy: str | float = "off"
     since_checkpoint: list[str] = field(default_factory=list)  # executions after the last one
+    unchanged_execution: str | None = None  # the last cell covered without a capture
     # (execution count after which it was taken, directory in the sandbox), oldest first
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
     last_checkpoint_at: float = 0.0
@@ -107,6 +108,8 @@ class LiveSession:
         """An execution's final event: the session is active, and (with checkpoints) the
         execution's effects are not in a checkpoint yet."""
         self.last_active = time.monotonic()
+        if execution_id == self.unchanged_execution:
+            return  # covered by the last checkpoint already (Checkpoints._covered)
         if self.checkpoints or self.checkpoint_policy != "off":
             self.since_checkpoint.append(execution_id)
 

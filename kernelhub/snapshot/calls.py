@@ -39,8 +39,11 @@ def capture(name: str, base: str | None = None) -> str:
     return _GUARD.format(call=call)
 
 
-def restore(name: str) -> str:
-    return _GUARD.format(call=f"{_MODULE}.restore({_DIR.format(name=_check(name))})")
+def restore(name: str, execution_count: int | None = None) -> str:
+    """``execution_count``: the next cell's number, when it is not the capture's own (a
+    checkpoint shared by cells that changed nothing; only images that report those)."""
+    extra = "" if execution_count is None else f", execution_count={int(execution_count)}"
+    return _GUARD.format(call=f"{_MODULE}.restore({_DIR.format(name=_check(name))}{extra})")
 
 
 def capture_stream(name: str) -> str:

@@ -131,16 +131,25 @@ def capture(path: str, base: str | None = None) -> dict[str, Any]:
     return _run(lambda shell, session: _Capture(shell, session, os.path.abspath(path), base).run())
 
 
-def restore(path: str, *, workspace: bool = True) -> dict[str, Any]:
+def restore(
+    path: str, *, workspace: bool = True, execution_count: int | None = None
+) -> dict[str, Any]:
     """Load the snapshot in ``path`` into this (fresh) kernel; returns the result dict.
 
-    Order: workspace files (unless ``workspace=False``), imports, groups, execution count.
+    Order: workspace files (unless ``workspace=False``), imports, groups, execution count
+    (``execution_count`` if given: a checkpoint that also covers later cells that changed
+    nothing, restored as the state after the last of them).
     A group that fails to load is reported member by member in ``failed``; the others
     load regardless. Must run inside the sandbox: loading executes the pickles.
     """
-    return _run(
-        lambda shell, session: _Restore(shell, session, os.path.abspath(path), workspace).run()
-    )
+
+    def run(shell: Any, session: Any) -> dict[str, Any]:
+        result = _Restore(shell, session, os.path.abspath(path), workspace).run()
+        if execution_count is not None:
+            shell.execution_count = int(execution_count)
+        return result
+
+    return _run(run)
 
 
 def capture_stream(name: str) -> dict[str, Any]:

@@ -156,6 +156,7 @@ class _Capture:
         else:
             _write_atomic(os.path.join(self.path, MANIFEST), manifest_bytes)
             self.session.snapshot_id = snapshot_id
+            self.session.capture_path = self.path
             self.session.groups = [g for g, _ in groups]
             self.session.ids = {n: id(v) for n, v in variables.items()}
             self.session.workspace = workspace

@@ -111,6 +111,7 @@ class _Restore:
         self.shell.execution_count = int(manifest["execution_count"])
         # The next capture may use this directory as its base (a stream left none).
         self.session.snapshot_id = manifest["snapshot_id"] if streamed is None else None
+        self.session.capture_path = self.path if streamed is None else None
         self.session.groups = adopted
         self.session.ids = {n: id(ns[n]) for g in adopted for n in g.names}
         self.session.workspace = manifest.get("workspace")

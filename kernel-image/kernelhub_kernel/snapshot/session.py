@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from . import unchanged
 from .analysis import _globals_used_by, analyze_cell
 from .replay import Planner
 
@@ -46,6 +47,9 @@ class _Session:
         self.shell = shell
         self.tracker = _Tracker(shell)
         self.snapshot_id: str | None = None
+        # The directory of the last capture or restore that ``snapshot_id`` names (None
+        # after a streamed one): what ``kernelhub_unchanged_since`` reports.
+        self.capture_path: str | None = None
         self.groups: list[_Group] = []
         self.ids: dict[str, int] = {}
         self.workspace: dict[str, Any] | None = None
@@ -58,6 +62,7 @@ def _session_for(shell: Any) -> _Session:
         _SESSION = _Session(shell)
         _SESSION.tracker.install()
         _SESSION.tracker.seed_from_history()
+        unchanged.install(shell)
     return _SESSION
 
 
