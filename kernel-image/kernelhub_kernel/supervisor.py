@@ -23,11 +23,12 @@ re-parented to us, so we reap them. Otherwise (the unisolated local mode) ``kill
 hit every process of the user on the host, so we only kill the kernel's process group.
 """
 
-import argparse
+# Only what every start needs is imported up here: argparse (for an unusual command line)
+# and shutil (bz2, lzma; for the matplotlib cache copy) load when used, since pid 1's
+# imports sit in front of the kernel's on every cold start.
 import contextlib
 import ctypes
 import os
-import shutil
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -203,6 +204,8 @@ def seed_mplconfig(environ: Mapping[str, str], prebuilt: str = PREBUILT_MPLCONFI
         return
     if os.path.isdir(target) and os.listdir(target):
         return
+    import shutil
+
     try:
         shutil.copytree(prebuilt, target, dirs_exist_ok=True)
     except OSError as exc:
@@ -225,7 +228,13 @@ def start_egress(environ: Mapping[str, str]) -> None:
     egress.start_forwarder(environ)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def connection_file_from(argv: Sequence[str]) -> str:
+    """The connection file of the command line; argparse only for any other shape of it
+    (its help, its errors)."""
+    if len(argv) == 2 and argv[0] == "--connection-file" and not argv[1].startswith("-"):
+        return argv[1]
+    import argparse
+
     parser = argparse.ArgumentParser(
         prog="python -m kernelhub_kernel.supervisor",
         description="Run an IPython kernel as the first process of a kernelhub sandbox.",
@@ -233,9 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--connection-file", required=True, help="the kernel's Jupyter connection file"
     )
-    args = parser.parse_args(argv)
+    return str(parser.parse_args(argv).connection_file)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    connection_file = connection_file_from(sys.argv[1:] if argv is None else argv)
     seed_mplconfig(os.environ)
-    return Supervisor(args.connection_file).run()
+    return Supervisor(connection_file).run()
 
 
 if __name__ == "__main__":

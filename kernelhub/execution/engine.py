@@ -128,6 +128,7 @@ class KernelSession:
         try:
             await sandbox.start()
             await session._link.connect(timeout=session.engine.start_timeout, starting=True)
+            await sandbox.started()
         except BaseException:
             await session.close()
             raise

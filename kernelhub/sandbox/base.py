@@ -109,6 +109,9 @@ class Sandbox(abc.ABC):
 
     - ``start()``: launch; returns once the process runs (the kernel may not be ready:
       the engine waits for its sockets in ``session_dir`` and asks for ``kernel_info``).
+    - ``started()``: awaited by the engine once the kernel answers, before the first
+      ``usage()``: finishes what ``start()`` left running beside the kernel's start (the
+      docker backend's inspect for the cgroup). Returns at once if the sandbox was removed.
     - ``wait_exit()``: resolves with :class:`ExitInfo` when the kernel is gone for good
       (not on a requested ``restart_kernel``). Safe to await from several tasks.
     - ``interrupt()``: deliver SIGINT to the running cell (the supervisor forwards it).
@@ -131,6 +134,9 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     async def start(self) -> None: ...
+
+    async def started(self) -> None:
+        return None
 
     @abc.abstractmethod
     async def wait_exit(self) -> ExitInfo: ...

@@ -40,7 +40,7 @@ from kernelhub.sandbox.base import (
     reap_directories,
 )
 from kernelhub.sandbox.cgroup import CgroupFiles
-from kernelhub.sandbox.docker_config import container_config
+from kernelhub.sandbox.docker_config import container_config, create_args
 from kernelhub.sandbox.exit import describe_exit
 from kernelhub.sandbox.files import (
     FILES_CWD,
@@ -301,6 +301,9 @@ class DockerSandbox(Sandbox):
         self.spec = spec
         self.container: Any = existing
         self._cgroup: CgroupFiles | None = None
+        # The inspect (for the cgroup) that runs while the kernel starts; see started().
+        self._inspect: asyncio.Task[None] | None = None
+        self._removed = False
         root = backend.run_dir / spec.session_id
         uid = SANDBOX_UID if _is_root() else _euid()
         gid = SANDBOX_GID if _is_root() else _egid()
@@ -354,15 +357,67 @@ class DockerSandbox(Sandbox):
         )
         if not _is_root():
             config["user"] = f"{_euid()}:{_egid()}"
+        api = b.client.api
         try:
-            self.container = await b.call(b.client.containers.create, **config)
-            b._exits[self.container.id] = self._exit
-            await b.call(self.container.start)
-            await b.call(self.container.reload)
+            cid = await self._create(create_args(config, api._version))
+            await b.call(api.start, cid)
         except BaseException:
             await self.remove()
             raise
+        # The pid, for the cgroup, while the kernel starts (the engine awaits started()).
+        self._inspect = asyncio.create_task(self._find_cgroup(cid), name=f"inspect-{cid[:12]}")
+
+    async def _create(self, args: dict[str, Any]) -> str:
+        """Create the container; its id. Cancelled meanwhile, it still learns the id of
+        what the daemon makes (so remove() takes it away) before it gives in."""
+        b = self.backend
+        call = asyncio.ensure_future(b.call(b.client.api.create_container, **args))
+        try:
+            created = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                self._adopt_id(str((await call)["Id"]))
+            raise
+        return self._adopt_id(str(created["Id"]))
+
+    def _adopt_id(self, cid: str) -> str:
+        # A model on the id alone: what containers.create would have inspected for is
+        # read once, after start (_find_cgroup).
+        self.container = self.backend.client.containers.prepare_model({"Id": cid})
+        self.backend._exits[cid] = self._exit
+        return cid
+
+    async def _find_cgroup(self, cid: str) -> None:
+        b = self.backend
+        try:
+            attrs = await b.call(b.client.api.inspect_container, cid)
+        except SandboxError as exc:
+            if isinstance(exc.__cause__, docker.errors.NotFound):
+                return  # removed meanwhile: nothing to account for
+            raise
+        if self._removed:
+            return  # opened now, the cgroup's files would outlive the sandbox
+        self.container.attrs = attrs
         self._load_cgroup()
+
+    async def started(self) -> None:
+        task = self._inspect
+        if task is None:
+            return
+        await asyncio.wait([task])
+        if task.cancelled():
+            return  # by remove()
+        task.result()
+
+    async def _drop_inspect(self) -> None:
+        task, self._inspect = self._inspect, None
+        if task is None:
+            return
+        task.cancel()
+        # wait() neither raises the task's error nor swallows our own cancellation.
+        await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: a failure that no longer matters
 
     def _load_cgroup(self) -> None:
         pid = self.container.attrs.get("State", {}).get("Pid")
@@ -407,6 +462,8 @@ class DockerSandbox(Sandbox):
         await self._signal("SIGKILL")
 
     async def remove(self, *, keep_state: bool = False) -> None:
+        self._removed = True
+        await self._drop_inspect()
         if self._cgroup is not None:
             self._cgroup.close()  # an open cgroup file keeps the dead cgroup around
         if self.container is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from docker.models.containers import _create_container_args
 from docker.types import LogConfig, Mount, Ulimit
 
 from kernelhub.config import EgressSettings
@@ -31,6 +32,13 @@ from kernelhub.sandbox.state import spool_bytes
 
 SHM_BYTES = 64 * 1024 * 1024
 LOG_MAX_SIZE = "1m"  # the kernel's own output goes over ZeroMQ; the log only gets crashes
+
+
+def create_args(config: dict[str, Any], api_version: str) -> dict[str, Any]:
+    """``container_config``'s keyword arguments as the low-level
+    ``APIClient.create_container`` takes them: the translation ``containers.create``
+    makes, without the inspect it runs after (the caller inspects once, after start)."""
+    return dict(_create_container_args({**config, "version": api_version}))
 
 
 def container_config(

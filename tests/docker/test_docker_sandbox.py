@@ -276,3 +276,21 @@ async def test_a_library_error_costs_a_plain_traceback_not_seconds(
     assert "Cell In[3], line 4" in text and "return frame['missing']" in text
     assert "---->" not in text and "\x1b" not in text  # no Context-mode source blocks
     assert failed.record.duration - ok.record.duration < 0.3 * UNIT, (failed.record, ok.record)
+
+
+async def test_a_kernel_starts_without_the_debugger_and_its_cgroup_is_read(
+    backend: DockerBackend, sessions: list[KernelSession]
+) -> None:
+    s = await start(backend, sessions)
+    # The cgroup inspect ran beside the kernel's start: accounting is there before a cell.
+    assert s.usage().cpu_seconds is not None
+    assert "debugger" not in s.kernel_info.get("supported_features", [])
+    assert not s.kernel_info.get("debugger", False)
+    result = await s.execute(
+        "import sys\n"
+        "print('pydevd' in ' '.join(sys.modules), sys.modules.get('debugpy', 0) is None)\n"
+        "import debugpy\n"  # lifted after the kernel's start: user code may still import it
+        "print(debugpy.__name__)"
+    )
+    assert result.status == ExecutionStatus.COMPLETED, result.error
+    assert result.stdout.split() == ["False", "False", "debugpy"]

@@ -142,3 +142,22 @@ def test_a_run_dir_sandboxes_could_fill_is_refused_only_where_mounts_are() -> No
     assert problem is not None
     assert str(run) in problem and str(big) in problem and str(most) in problem
     assert "mount -t tmpfs" in problem and "KERNELHUB_DOCKER__RUN_DIR_MAX_BYTES" in problem
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+def test_a_capped_tmpfs_is_mounted_with_its_caps_and_unmounted_by_syscall(tmp_path: Path) -> None:
+    target = tmp_path / "ipc"
+    target.mkdir()
+    assert mount_tmpfs(target, size_bytes=2**20, uid=1234, gid=4321, inodes=64)
+    try:
+        (entry,) = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()
+                    if line.split()[1] == str(target)]  # fmt: skip
+        options = set(entry[3].split(","))
+        assert entry[2] == "tmpfs"
+        assert {"nosuid", "nodev", "noexec", "size=1024k", "nr_inodes=64", "mode=700"} <= options
+        st = os.stat(target)
+        assert (st.st_uid, st.st_gid) == (1234, 4321)
+    finally:
+        unmount(target)
+    assert not os.path.ismount(target)
+    unmount(target)  # not a mount any more: nothing to do, no error
