@@ -129,7 +129,10 @@ class Codec:
         msg_id = uuid.uuid4().hex
         date = datetime.now(UTC).isoformat()
         return msg_id, b'{"msg_id": "%s", %s, "date": "%s", %s}' % (
-            msg_id.encode(), parts[0], date.encode(), parts[1]
+            msg_id.encode(),
+            parts[0],
+            date.encode(),
+            parts[1],
         )
 
     def encode(
