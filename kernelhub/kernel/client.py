@@ -55,6 +55,7 @@ _DECODE_OFF_LOOP_BYTES = 1024 * 1024
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
 _SOCKET_TYPES = {"shell": zmq.DEALER, "control": zmq.DEALER, "stdin": zmq.DEALER, "iopub": zmq.SUB}
 
 
@@ -253,8 +254,15 @@ class KernelClient:
         """Send a request; returns its msg_id. Never blocks: a kernel that stopped reading
         its own queue of 1000 requests is broken (``KernelError``)."""
         msg_id, frames = self.codec.encode(msg_type, content)
+        # Frame by frame rather than send_multipart, whose per-frame checks cost more than
+        # the sends of a small request. A DEALER queues a message whole or not at all
+        # (libzmq checks the high-water mark on the first part only), so Again can only
+        # come on the first frame: never half a message.
+        send = self.sockets[channel].send
+        last = len(frames) - 1
         try:
-            self.sockets[channel].send_multipart(frames, zmq.NOBLOCK)
+            for i, frame in enumerate(frames):
+                send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK)
         except zmq.Again as exc:
             raise KernelError(f"the kernel stopped reading its {channel} channel") from exc
         return msg_id

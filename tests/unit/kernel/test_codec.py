@@ -81,6 +81,22 @@ def test_what_we_encode_a_kernel_decodes_and_verifies() -> None:
     assert Session(key=KEY).deserialize(routed[2:])["content"] == {"value": "é"}
 
 
+@pytest.mark.parametrize(
+    ("session", "username"), [("s1", "kernelhub"), ('quo"te\\é\u2028', "ünï\tcode")]
+)
+def test_the_header_frame_is_the_json_of_the_header(session: str, username: str) -> None:
+    # The header is rendered from a per-msg_type template, not json.dumps: byte for byte
+    # what json.dumps of header() gives, whatever the session and user names hold.
+    ours = codec(session=session, username=username)
+    for msg_type in ("execute_request", "input_reply", "execute_request"):
+        _, frames = ours.encode(msg_type, {})
+        header = json.loads(frames[2])
+        expected = ours.header(msg_type) | {"msg_id": header["msg_id"], "date": header["date"]}
+        assert list(header) == list(expected) and header == expected
+        assert frames[2] == json.dumps(expected, ensure_ascii=False).encode()
+        assert Session(key=KEY).deserialize(frames[1:])["header"]["msg_type"] == msg_type
+
+
 def test_our_own_messages_round_trip() -> None:
     _, frames = codec().encode("stream", {"name": "stdout", "text": "hi"}, parent={"msg_id": "p"})
     got = codec().decode(frames)
