@@ -163,6 +163,10 @@ class SnapshotInfo(BaseModel):
     execution_count: int | None = None
     saved: list[str]
     skipped: dict[str, str]
+    # Where the host's side of the capture went, in seconds: ``receive`` (the stream into
+    # the blob file), ``hash`` (the hash thread's busy time), ``hash_tail`` (what the hash
+    # added after the last byte), ``fsync``; ``mode`` is ``pipe`` or ``socket``.
+    host_timings: dict[str, float | str] = {}
 
 
 class SnapshotList(BaseModel):

@@ -384,9 +384,10 @@ class Continuity:
         # Streamed from the kernel's pickler to the blob file, nothing staged in the
         # sandbox; the socket, the hash and the disk are on worker threads.
         target = self.blobs.prepare(snapshot_id)
+        spans: dict[str, object] = {}
         try:
             (size, sha256), answers = await transfer.alongside(
-                transfer.pull(kernel.sandbox.session_dir, name, target, limit, timeout),
+                transfer.pull(kernel.sandbox.session_dir, name, target, limit, timeout, spans),
                 kernel.call(
                     calls.capture_stream(name), calls.RESULT, timeout=timeout, background=quiet
                 ),
@@ -410,6 +411,7 @@ class Continuity:
                 "duration": result.get("duration"),
                 "timings": result.get("timings"),
             },
+            "host": spans,
         }
         if keep_as is not None:
             metadata["capture_dir"] = keep_as
@@ -584,4 +586,5 @@ def _snapshot_info(s: StoredSnapshot) -> SnapshotInfo:
         execution_count=m.get("execution_count"),
         saved=list(m.get("saved", [])),
         skipped=dict(m.get("skipped", {})),
+        host_timings=dict(m.get("host", {})),
     )

@@ -24,6 +24,7 @@ that or less. A blob is verified with the algorithm its stored digest names.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import fcntl
@@ -108,6 +109,7 @@ class _Hasher:
         self.digest = new_digest(algorithm)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kernelhub-snapshot-hash")
         self._pending: deque[Future[None]] = deque()
+        self.busy = 0.0
 
     def feed(self, offset: int, length: int) -> None:
         """Hash ``length`` bytes of the file at ``offset`` (a multiple of the page size),
@@ -118,12 +120,14 @@ class _Hasher:
             self._pending.popleft().result()  # raises what the thread raised
 
     def _hash_region(self, offset: int, length: int) -> None:
+        t0 = time.monotonic()
         with mmap.mmap(self.fd, length, access=mmap.ACCESS_READ, offset=offset) as mapped:
             view = memoryview(mapped)
             try:
                 self.digest.update(view)
             finally:
                 view.release()
+        self.busy += time.monotonic() - t0
 
     def hexdigest(self) -> str:
         while self._pending:
@@ -176,46 +180,72 @@ def _check(stop: threading.Event, deadline: float) -> None:
         raise SandboxError("the snapshot stream did not finish in time")
 
 
+OFFER = b"P"
+MARKER = b"PIPE_TAKEN"
+DONE = b"DONE"
+# Off only to exercise the kernel's socket fallback (what an old gateway gets).
+OFFER_PIPE = True
+
+
 def receive(
     sock: socket.socket,
     target: Path,
     max_bytes: int,
     stop: threading.Event,
     deadline: float,
+    spans: dict[str, object] | None = None,
 ) -> tuple[int, str]:
     """Write everything the kernel sends to the new file ``target``; (size, digest).
-    The file is removed on any failure."""
+    The file is removed on any failure. ``spans`` gets the host's timings.
+
+    First a pipe is offered (its write end passed over the socket as SCM_RIGHTS, see
+    the kernel's ``stream.py``): a kernel that takes it answers ``MARKER`` and writes
+    the tar into the pipe, which goes to the file with one ``splice`` per chunk; then
+    ``DONE`` and its byte count on the socket, which must match, and one byte back to
+    confirm. An old image never reads the offer: what it sends first is the tar itself
+    (a tar header never starts with ``MARKER``), so the socket path goes on from there."""
+    t0 = time.monotonic()
     fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     hasher = _Hasher(fd, default_algorithm())
-    size = hashed = 0
-    pipe_r, pipe_w = os.pipe()
+    progress = _Progress(fd, hasher, max_bytes)
+    pipes: list[int] = []
+    mode = "socket"
     try:
-        # A wider pipe moves more per splice (the default is 64 KiB).
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(pipe_w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        while True:
+        head = b""
+        if OFFER_PIPE:
+            pipe_r, pipe_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            pipes.append(pipe_r)
             try:
-                got = os.splice(sock.fileno(), pipe_w, _PIPE_BYTES, flags=_SPLICE_FLAGS)
-            except BlockingIOError:
-                _check(stop, deadline)
-                select.select([sock], [], [], _IO_INTERVAL)
-                continue
-            if not got:
-                break
-            size += got
-            if size > max_bytes:
-                raise TooLargeError(
-                    f"snapshot is larger than {max_bytes} bytes; raise "
-                    "KERNELHUB_GATEWAY__MAX_SNAPSHOT_BYTES or keep less in the namespace"
+                with contextlib.suppress(OSError):
+                    fcntl.fcntl(pipe_w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+                sock.sendmsg(
+                    [OFFER], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pipe_w]))]
                 )
-            while got:
-                got -= os.splice(pipe_r, fd, got)
-            if size - hashed >= CHUNK:
-                step = (size - hashed) // CHUNK * CHUNK
-                hasher.feed(hashed, step)
-                hashed += step
-        hasher.feed(hashed, size - hashed)
-        digest = hasher.hexdigest()
+            finally:
+                os.close(pipe_w)
+            head = _recv_exact(sock, len(MARKER), stop, deadline, eof_ok=True)
+        if head == MARKER:
+            mode = "pipe"
+            while progress.take(pipe_r, stop, deadline):
+                pass
+            trailer = _recv_exact(sock, len(DONE) + 8, stop, deadline, eof_ok=True)
+            if trailer != DONE + progress.size.to_bytes(8, "big"):
+                raise SandboxError(
+                    f"the kernel's snapshot stream broke off after {progress.size} bytes"
+                )
+        else:
+            progress.put(head)
+            pipe_r, pipe_w = os.pipe()
+            pipes += [pipe_r, pipe_w]
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(pipe_w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+            while progress.take(sock.fileno(), stop, deadline, via=(pipe_r, pipe_w)):
+                pass
+        t_received = time.monotonic()
+        digest = progress.finish()
+        t_hashed = time.monotonic()
+        if mode == "pipe":
+            sock.sendall(VERDICT_OK)  # the kernel may let go of its buffers now
     except BaseException:
         hasher.close()
         os.close(fd)
@@ -224,12 +254,104 @@ def receive(
         raise
     finally:
         hasher.close()
-        os.close(pipe_r)
-        os.close(pipe_w)
+        for pipe in pipes:
+            os.close(pipe)
         if fd >= 0:
             os.close(fd)
         sock.close()
-    return size, digest
+    if spans is not None:
+        spans.update(
+            mode=mode,
+            # receive: first offer to the last byte in the file (splice is the write);
+            # hash: the hash thread's busy time, hash_tail: what it added after.
+            receive=round(t_received - t0, 6),
+            hash=round(hasher.busy, 6),
+            hash_tail=round(t_hashed - t_received, 6),
+            fsync=0.0,  # local blobs are not fsynced: see BlobStore.commit
+        )
+    return progress.size, digest
+
+
+class _Progress:
+    """Bytes into the blob file, counted against the cap and fed to the hash one
+    ``CHUNK`` at a time (behind the writes)."""
+
+    def __init__(self, fd: int, hasher: _Hasher, max_bytes: int) -> None:
+        self.fd = fd
+        self.hasher = hasher
+        self.max_bytes = max_bytes
+        self.size = self.hashed = 0
+
+    def _grew(self, got: int) -> None:
+        self.size += got
+        if self.size > self.max_bytes:
+            raise TooLargeError(
+                f"snapshot is larger than {self.max_bytes} bytes; raise "
+                "KERNELHUB_GATEWAY__MAX_SNAPSHOT_BYTES or keep less in the namespace"
+            )
+        if self.size - self.hashed >= CHUNK:
+            step = (self.size - self.hashed) // CHUNK * CHUNK
+            self.hasher.feed(self.hashed, step)
+            self.hashed += step
+
+    def put(self, data: bytes) -> None:
+        if data:
+            os.pwrite(self.fd, data, self.size)
+            os.lseek(self.fd, len(data), os.SEEK_CUR)
+            self._grew(len(data))
+
+    def take(
+        self,
+        source: int,
+        stop: threading.Event,
+        deadline: float,
+        via: tuple[int, int] | None = None,
+    ) -> bool:
+        """One splice from ``source`` (a pipe, or a socket ``via`` a pipe) into the file;
+        False at the end of the stream."""
+        try:
+            got = os.splice(source, via[1] if via else self.fd, _PIPE_BYTES, flags=_SPLICE_FLAGS)
+        except BlockingIOError:
+            _check(stop, deadline)
+            select.select([source], [], [], _IO_INTERVAL)
+            return True
+        except ConnectionResetError:
+            # An old image closing with our unread offer in its queue: the tar is
+            # complete or not, the kernel's own answer to the capture call says which.
+            return False
+        if not got:
+            return False
+        if via:
+            left = got
+            while left:
+                left -= os.splice(via[0], self.fd, left)
+        self._grew(got)  # after the bytes are in the file: the hash maps them
+        return True
+
+    def finish(self) -> str:
+        self.hasher.feed(self.hashed, self.size - self.hashed)
+        return self.hasher.hexdigest()
+
+
+def _recv_exact(
+    sock: socket.socket, n: int, stop: threading.Event, deadline: float, eof_ok: bool = False
+) -> bytes:
+    """``n`` bytes from the socket, or fewer at its end when ``eof_ok``."""
+    buffer = bytearray()
+    while len(buffer) < n:
+        try:
+            got = sock.recv(n - len(buffer))
+        except TimeoutError:
+            _check(stop, deadline)
+            continue
+        except ConnectionResetError:
+            got = b""
+        if not got:
+            if eof_ok:
+                break
+            raise SandboxError("the kernel's snapshot stream ended early")
+        buffer += got
+    return bytes(buffer)
 
 
 def send(
@@ -300,15 +422,20 @@ def _send_all(
 
 
 def pull(
-    session_dir: SessionDir, name: str, target: Path, max_bytes: int, timeout: float
+    session_dir: SessionDir,
+    name: str,
+    target: Path,
+    max_bytes: int,
+    timeout: float,
+    spans: dict[str, object] | None = None,
 ) -> Callable[[threading.Event], tuple[int, str]]:
     """The blocking half of a capture, for ``alongside``: the stream ``name`` into the
-    new blob file ``target``; (size, sha256)."""
+    new blob file ``target``; (size, digest). ``spans`` gets the host's timings."""
     deadline = time.monotonic() + timeout
 
     def run(stop: threading.Event) -> tuple[int, str]:
         sock = connect(session_dir, name, deadline, stop)
-        return receive(sock, target, max_bytes, stop, deadline)
+        return receive(sock, target, max_bytes, stop, deadline, spans)
 
     return run
 

@@ -115,7 +115,7 @@ from .capture import _Capture
 from .common import _gc_paused
 from .restore import _Restore, read_stream
 from .session import _session_for, _shell
-from .stream import TarReader, TarWriter, accept
+from .stream import TarReader, TarWriter, accept, take_pipe
 from .workspace import workspace_root  # noqa: F401 (API)
 
 _RESULT: dict[str, Any] | None = None
@@ -159,7 +159,11 @@ def capture_stream(name: str) -> dict[str, Any]:
 
     def run(shell: Any, session: Any) -> dict[str, Any]:
         with contextlib.closing(accept(name)) as sock:
-            return _Capture(shell, session, "", None, stream=TarWriter(sock)).run()
+            writer = TarWriter(sock, take_pipe(sock))
+            try:
+                return _Capture(shell, session, "", None, stream=writer).run()
+            finally:
+                writer.abandon()
 
     return {**_run(run), "path": None}
 
