@@ -41,7 +41,7 @@ async def checkpoint_cost(suite: Suite) -> list[Row]:
     cells = suite.plan.checkpoint_cells
     rows: list[Row] = []
     for think in THINKS:
-        m = await checkpoints.measure(cells, think, None)
+        m = await checkpoints.measure(cells, think, None, checkpoints.CELLS)
         size = checkpoints.BLOCK
         means = {mode: Spread.of([statistics.fmean(b) for b in blocks(m[mode], size)])
                  for mode in ("on", "off")}  # fmt: skip

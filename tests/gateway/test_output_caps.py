@@ -49,6 +49,22 @@ def events_size(execution: dict[str, Any]) -> int:
     return sum(len(json.dumps(e)) for e in execution["events"])
 
 
+async def ws_events(gateway: Gateway, token: str, sid: str, code: str) -> list[dict[str, Any]]:
+    """The events of one cell as a WebSocket client sees them, up to its ``final``."""
+    from websockets.asyncio.client import connect
+
+    url = f"{gateway.ws_url}/v1/sessions/{sid}/stream"
+    async with connect(f"{url}?since=0", additional_headers=auth(token), max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "hello"
+        await ws.send(json.dumps({"type": "execute", "code": code, "request_id": "r1"}))
+        events: list[dict[str, Any]] = []
+        while not events or events[-1]["type"] != "final":
+            frame = json.loads(await ws.recv())
+            if frame["type"] == "event":
+                events.append(frame["event"])
+    return events
+
+
 async def test_display_metadata_is_charged_and_the_record_stays_small(
     http: httpx.AsyncClient, token: str
 ) -> None:
@@ -166,8 +182,6 @@ async def test_big_messages_stream_whole_and_in_order_through_the_sliced_codec(
     """A 3M-character display (~5.5 MB of JSON) and a 2 MB exception are decoded and encoded a slice at a
     time on the gateway (kernelhub.jsonslices): their frames still arrive whole, in order
     between the small ones around them, escapes and non-ASCII intact."""
-    from websockets.asyncio.client import connect
-
     sid = await new_session(http, token, limits={"output_bytes": 32 * MiB})
     code = (
         "from IPython.display import display\n"
@@ -178,15 +192,7 @@ async def test_big_messages_stream_whole_and_in_order_through_the_sliced_codec(
         "print('between')\n"
         "raise ValueError('v' * 2_000_000)\n"
     )
-    url = f"{shared_gateway.ws_url}/v1/sessions/{sid}/stream"
-    async with connect(f"{url}?since=0", additional_headers=auth(token), max_size=None) as ws:
-        assert json.loads(await ws.recv())["type"] == "hello"
-        await ws.send(json.dumps({"type": "execute", "code": code, "request_id": "r1"}))
-        events: list[dict[str, Any]] = []
-        while not events or events[-1]["type"] != "final":
-            frame = json.loads(await ws.recv())
-            if frame["type"] == "event":
-                events.append(frame["event"])
+    events = await ws_events(shared_gateway, token, sid, code)
     seqs = [e["seq"] for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     kinds = [
@@ -208,23 +214,13 @@ async def test_a_flood_relayed_under_back_pressure_arrives_whole_and_in_order(
     """30 MB of stdout, faster than the gateway stores and sends it: the kernel's pumps
     wait for the fan-out (``SessionFanout.room``) instead of the gateway holding the
     backlog, and nothing is lost or reordered, live over the WebSocket or in the store."""
-    from websockets.asyncio.client import connect
-
     token = shared_gateway.token("flooder")  # its own: this module's sessions stay
     sid = await new_session(http, token, limits={"output_bytes": 64 * MiB})
     code = (
         "import sys\nfor i in range(300):\n    sys.stdout.write(f'{i:05d}' + 'z' * 100_000 + '\\n')"
     )
     expected = "".join(f"{i:05d}" + "z" * 100_000 + "\n" for i in range(300))
-    url = f"{shared_gateway.ws_url}/v1/sessions/{sid}/stream"
-    async with connect(f"{url}?since=0", additional_headers=auth(token), max_size=None) as ws:
-        assert json.loads(await ws.recv())["type"] == "hello"
-        await ws.send(json.dumps({"type": "execute", "code": code, "request_id": "r1"}))
-        events: list[dict[str, Any]] = []
-        while not events or events[-1]["type"] != "final":
-            frame = json.loads(await ws.recv())
-            if frame["type"] == "event":
-                events.append(frame["event"])
+    events = await ws_events(shared_gateway, token, sid, code)
     seqs = [e["seq"] for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     live = "".join(e["text"] for e in events if e["type"] == "stream")
@@ -244,8 +240,6 @@ async def test_a_100k_record_display_arrives_whole_live_stored_and_exported(
     gateway parses and writes it a slice at a time with the garbage collector held off
     (``gcpause``); the same value reaches a WebSocket client, the stored execution and
     the notebook export, charged in full."""
-    from websockets.asyncio.client import connect
-
     token = shared_gateway.token("recorder")  # its own: this module's sessions stay
     sid = await new_session(http, token, limits={"output_bytes": 32 * MiB})
     code = (
@@ -255,15 +249,7 @@ async def test_a_100k_record_display_arrives_whole_live_stored_and_exported(
         " metadata={'application/json': {'expanded': False}})\n"
     )
     rows = [{"a": i, "b": 'xé\\"', "c": [i / 7, None, True]} for i in range(100_000)]
-    url = f"{shared_gateway.ws_url}/v1/sessions/{sid}/stream"
-    async with connect(f"{url}?since=0", additional_headers=auth(token), max_size=None) as ws:
-        assert json.loads(await ws.recv())["type"] == "hello"
-        await ws.send(json.dumps({"type": "execute", "code": code, "request_id": "r1"}))
-        events: list[dict[str, Any]] = []
-        while not events or events[-1]["type"] != "final":
-            frame = json.loads(await ws.recv())
-            if frame["type"] == "event":
-                events.append(frame["event"])
+    events = await ws_events(shared_gateway, token, sid, code)
     (shown,) = (e for e in events if e["type"] == "display")
     assert shown["data"] == {"application/json": rows, "text/plain": "rows"}
     assert shown["metadata"] == {"application/json": {"expanded": False}}
