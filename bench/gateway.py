@@ -243,6 +243,9 @@ class WsSession:
         early: dict[str, list[dict[str, Any]]] = {}  # events may precede their `accepted`
         while True:
             frame = json.loads(await self.conn.recv())
+            if frame["type"] == "error" and frame.get("request_id") == request:
+                # Refused (a quota, a limit): waiting for its `final` would wait for ever.
+                raise RuntimeError(f"session {self.sid}: {frame['error']}: {frame['message']}")
             if frame["type"] == "accepted" and frame["request_id"] == request:
                 mine = frame["execution_id"]
                 events = early.pop(mine, [])

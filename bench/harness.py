@@ -172,6 +172,10 @@ class Suite:
             env={
                 "KERNELHUB_GATEWAY__MAX_SESSIONS": "128",
                 "KERNELHUB_GATEWAY__MAX_SESSIONS_PER_PRINCIPAL": "128",
+                # 100 sessions of one principal: their cells' output caps are reserved
+                # against its storage quota (1 GiB by default), so the default quota
+                # refuses cells at 100 at once; an operator running that many raises it.
+                "KERNELHUB_STORAGE__QUOTA_BYTES": str(64 * 1024 * MiB),
                 **STREAMS,
                 **env,
             },
