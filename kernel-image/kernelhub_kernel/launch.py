@@ -14,9 +14,11 @@ Environment read here:
   cell's messages ``spool`` keeps for a gateway that restarts mid-cell.
 """
 
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kernelhub_kernel import bounds, cell_log, packages, patches, spool
 
@@ -40,6 +42,24 @@ def skip_debugger() -> None:
     finally:
         if blocked and sys.modules.get("debugpy", 0) is None:
             del sys.modules["debugpy"]
+
+
+def drop_debug_records(app: Any) -> None:
+    """Stop building log records that every handler then drops.
+
+    traitlets gives the application's logger (the kernel's ``self.log``) level DEBUG and
+    filters at its handlers (WARNING unless ``--debug``), so each shell message made two
+    or three ``LogRecord``s, formatting its whole content, only to throw them away: about
+    3% of a ``1+1``'s CPU. The logger's level becomes the lowest level any handler emits,
+    so nothing that was written before is lost. A logger that also propagates to the
+    root's handlers is left alone.
+    """
+    log = getattr(app, "log", None)
+    if not isinstance(log, logging.Logger) or log.propagate or not log.handlers:
+        return
+    lowest = min(handler.level for handler in log.handlers)
+    if lowest > logging.NOTSET and lowest > log.level:
+        log.setLevel(lowest)
 
 
 def flush_interval_from(environ: Mapping[str, str]) -> float:
@@ -92,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # What IPKernelApp.launch_instance() does, with our hooks between init and start.
     app = IPKernelApp.instance(config=config)
     app.initialize(None if argv is None else list(argv))
+    drop_debug_records(app)
     streams = [s for s in (sys.stdout, sys.stderr) if isinstance(s, patches.SandboxOutStream)]
     patches.deliver_fd_output_in_its_cell(app.shell, streams)
     patches.stop_output_history(app.shell)
