@@ -390,6 +390,34 @@ async def test_fd_output_between_cells_belongs_to_no_cell(start_kernel: StartKer
     assert cell_b.text() == "0\n"
 
 
+async def test_cells_without_fd_output_skip_the_sync_and_lose_nothing(
+    start_kernel: StartKernel,
+) -> None:
+    # The end-of-cell marker is written only when fd output may still be unpublished.
+    kernel = await start_kernel()
+    probe = "import sys\nprint(sys.stdout.sync_fd() is None, sys.stderr.sync_fd() is None)"
+    assert (await kernel.execute(probe)).text() == "True True\n"
+    # Big writes from the kernel process itself (more than a pipe holds, so the watcher
+    # is reading while the cell writes), between cells that write nothing to the fds.
+    for n in range(12):
+        payload = f"fd-{n}-" + "x" * 200_000
+        cell = await kernel.execute(f"import os\nos.write(1, {payload!r}.encode())\nNone")
+        assert cell.text("stdout") == payload
+        quiet = await kernel.execute(f"{n} + 1")
+        assert quiet.text("stdout") == "" and quiet.text("stderr") == ""
+
+
+async def test_the_kernel_makes_no_log_records_that_no_handler_emits(
+    start_kernel: StartKernel,
+) -> None:
+    kernel = await start_kernel()
+    cell = await kernel.execute(
+        "import logging\nlog = get_ipython().kernel.log\n"
+        "print(log.isEnabledFor(logging.DEBUG), log.isEnabledFor(logging.WARNING))"
+    )
+    assert cell.text() == "False True\n"
+
+
 async def test_sigint_interrupts_the_cell_and_keeps_state(start_kernel: StartKernel) -> None:
     kernel = await start_kernel()
     await kernel.execute("x = 42")
