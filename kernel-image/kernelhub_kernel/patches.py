@@ -66,6 +66,7 @@ class SandboxOutStream(OutStream):
     flush_interval = DEFAULT_FLUSH_INTERVAL
     _last_flush = 0.0  # time.monotonic() of the last flush that sent text
     _line_end = _flush_now = False
+    _sending = False  # the IOPub thread is sending text it took out of the buffers
 
     def __init__(self, *args: Any, watchfd: bool | str = True, **kwargs: Any) -> None:
         # Set before the base __init__, which starts the fd watcher thread that reads them.
@@ -89,7 +90,23 @@ class SandboxOutStream(OutStream):
     def _rotate_buffers(self) -> dict[frozenset[tuple[str, Any]], "_PendingText"]:
         with self._buffer_lock:
             pending, self._buffers = self._buffers, defaultdict(_PendingText)
+            self._sending = bool(pending)
         return pending
+
+    def flush(self) -> None:
+        """Send what was written, and wait until it is sent; at once if nothing was.
+
+        The base class always makes a round trip to the IOPub thread (two wake-ups
+        through its event pipe and a wait on an Event), and ipykernel flushes both
+        streams three times per cell (before dispatching, after the displayhook, before
+        the reply): six round trips for a ``1+1`` that printed nothing. With no text in
+        the buffers and none being sent, there is nothing for the wait to order.
+        """
+        if self._is_master_process():
+            with self._buffer_lock:
+                if not self._buffers and not self._sending:
+                    return
+        super().flush()
 
     def write(self, string: str) -> int | None:
         self._line_end = string.endswith("\n")
@@ -121,6 +138,13 @@ class SandboxOutStream(OutStream):
         written = self._rotate_buffers()
         if written:  # ipykernel also flushes before each cell: that is no load
             self._last_flush = time.monotonic()
+        try:
+            self._send_pending(written)
+        finally:
+            with self._buffer_lock:
+                self._sending = False
+
+    def _send_pending(self, written: dict[frozenset[tuple[str, Any]], "_PendingText"]) -> None:
         for frozen_parent, pending in written.items():
             parent = dict(frozen_parent)
             for text in pending.chunks(MAX_STREAM_MESSAGE_BYTES):
