@@ -407,6 +407,27 @@ async def test_cells_without_fd_output_skip_the_sync_and_lose_nothing(
         assert quiet.text("stdout") == "" and quiet.text("stderr") == ""
 
 
+async def test_a_flush_with_nothing_written_makes_no_round_trip(
+    start_kernel: StartKernel,
+) -> None:
+    # ipykernel flushes both streams three times a cell; with nothing to send, none of
+    # them may wake the IOPub thread. With text written, the flush still sends it.
+    kernel = await start_kernel()
+    cell = await kernel.execute(
+        "import sys\n"
+        "woken = []\n"
+        "pub = sys.stdout.pub_thread\n"
+        "pub.schedule = lambda f, s=pub.schedule: (woken.append(f), s(f))[1]\n"
+        "sys.stdout.flush(); sys.stderr.flush()\n"
+        "quiet = len(woken)\n"
+        "sys.stdout.write('sent'); sys.stdout.flush()\n"
+        "del pub.schedule\n"
+        "sys.stderr.write(f'{quiet} {len(woken) > 0}')"
+    )
+    assert cell.text("stdout") == "sent"
+    assert cell.text("stderr") == "0 True"
+
+
 async def test_the_kernel_makes_no_log_records_that_no_handler_emits(
     start_kernel: StartKernel,
 ) -> None:
