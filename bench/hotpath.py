@@ -151,8 +151,11 @@ class Ours:
         stack.callback(dock.close)
 
         def sweep() -> None:
-            for c in dock.containers.list(all=True, filters={"label": f"{LABEL_MANAGED}=true"}):
-                if c.labels.get(LABEL_INSTANCE) == run:
+            # This run's label in the filter: a listing of every managed container inspects
+            # each one, and another run's container removed meanwhile raised NotFound.
+            label = f"{LABEL_INSTANCE}={run}"
+            for c in dock.containers.list(all=True, filters={"label": label}):
+                with contextlib.suppress(docker.errors.NotFound):
                     c.remove(force=True)
 
         stack.push_async_callback(asyncio.to_thread, sweep)
