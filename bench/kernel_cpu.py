@@ -84,16 +84,23 @@ class Kernel:
 
     async def block(self, cells: int) -> None:
         out = self.root / "perf.txt"
+        out.unlink(missing_ok=True)
         perf = subprocess.Popen(  # noqa: ASYNC220 (started and stopped around the block)
             ["perf", "stat", "-x,", "-e", "instructions,task-clock", "-p", str(self.pid),
              "-o", str(out)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        await asyncio.sleep(0.2)  # perf attached
+        for _ in range(100):  # perf opens its output once it has attached
+            await asyncio.sleep(0.05)
+            if out.exists():
+                break
+        await asyncio.sleep(0.1)
         for _ in range(cells):
             await self.cell()
         perf.send_signal(signal.SIGINT)
         perf.wait(30)
+        if not out.exists():
+            raise RuntimeError(f"perf stat -p {self.pid} wrote nothing (is perf usable here?)")
         for line in out.read_text().splitlines():
             fields = line.split(",")
             if len(fields) > 2 and fields[2] in self.samples and fields[0][:1].isdigit():
