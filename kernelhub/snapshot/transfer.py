@@ -145,6 +145,7 @@ def connect(
     the socket, connect. (The name appears at ``bind``, a moment before ``listen``: a
     refused connection is tried again until the deadline.)"""
     target = session_dir.ipc_dir / name
+    tries = 0
     while True:
         if stop.is_set():
             raise SandboxError("snapshot stream abandoned before the kernel opened it")
@@ -170,7 +171,9 @@ def connect(
                 ) from exc
             finally:
                 os.close(fd)
-        time.sleep(_POLL_INTERVAL)
+        # The kernel binds a few ms after the call reaches it: poll finely at first.
+        tries += 1
+        time.sleep(_POLL_INTERVAL if tries > 20 else _POLL_INTERVAL / 4)
 
 
 def _check(stop: threading.Event, deadline: float) -> None:
@@ -236,6 +239,10 @@ def receive(
                 raise SandboxError(
                     f"the kernel's snapshot stream broke off after {progress.size} bytes"
                 )
+            # Every byte is in the file (splice copied it out of the pipe), so the kernel
+            # may let go of its buffers now, while the hash's tail runs here: its reply to
+            # the capture call overlaps that, instead of waiting for it.
+            sock.sendall(VERDICT_OK)
         else:
             progress.put(head)
             pipe_r, pipe_w = os.pipe()
@@ -247,8 +254,6 @@ def receive(
         t_received = time.monotonic()
         digest = progress.finish()
         t_hashed = time.monotonic()
-        if mode == "pipe":
-            sock.sendall(VERDICT_OK)  # the kernel may let go of its buffers now
     except BaseException:
         hasher.close()
         os.close(fd)
@@ -437,7 +442,10 @@ def pull(
     deadline = time.monotonic() + timeout
 
     def run(stop: threading.Event) -> tuple[int, str]:
+        t0 = time.monotonic()
         sock = connect(session_dir, name, deadline, stop)
+        if spans is not None:
+            spans["connect"] = round(time.monotonic() - t0, 6)
         return receive(sock, target, max_bytes, stop, deadline, spans)
 
     return run
