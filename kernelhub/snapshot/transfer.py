@@ -145,7 +145,6 @@ def connect(
     the socket, connect. (The name appears at ``bind``, a moment before ``listen``: a
     refused connection is tried again until the deadline.)"""
     target = session_dir.ipc_dir / name
-    tries = 0
     while True:
         if stop.is_set():
             raise SandboxError("snapshot stream abandoned before the kernel opened it")
@@ -171,9 +170,7 @@ def connect(
                 ) from exc
             finally:
                 os.close(fd)
-        # The kernel binds a few ms after the call reaches it: poll finely at first.
-        tries += 1
-        time.sleep(_POLL_INTERVAL if tries > 20 else _POLL_INTERVAL / 4)
+        time.sleep(_POLL_INTERVAL)
 
 
 def _check(stop: threading.Event, deadline: float) -> None:
