@@ -133,6 +133,12 @@ async def one_size(http: httpx.AsyncClient, mib: int, rounds: int) -> Samples:
             if r.status_code != 201:
                 raise RuntimeError(f"snapshot: {r.status_code} {r.text}")
             snap = r.json()
+            # Where the time went (the API's own spans), kept as samples of their own.
+            for key, value in snap.get("host_timings", {}).items():
+                if isinstance(value, (int, float)):
+                    samples.add(f"host.{key}", float(value))
+            for key, value in snap.get("kernel_timings", {}).items():
+                samples.add(f"kernel.{key}", float(value))
             floors = json.loads(
                 stdout_of(await run_cell(http, sid, FLOOR_CELL.format(names=NAMES)))
             )
@@ -204,6 +210,12 @@ def main() -> int:
     for row in rows(results):
         print(
             f"{row.measurement}: {row.value} | floor {row.floor} | {row.ratio} | target {row.target}"
+        )
+    for s in results:
+        spans = sorted(k for k in s.rounds if k.startswith(("host.", "kernel.")))
+        print(
+            f"{s.mib} MiB breakdown, ms (median): "
+            + ", ".join(f"{k} {1000 * s.median(k):.1f}" for k in spans)
         )
     if args.out:
         args.out.write_text(json.dumps([{"mib": s.mib, **s.rounds} for s in results], indent=1))

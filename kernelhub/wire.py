@@ -163,10 +163,17 @@ class SnapshotInfo(BaseModel):
     execution_count: int | None = None
     saved: list[str]
     skipped: dict[str, str]
-    # Where the host's side of the capture went, in seconds: ``receive`` (the stream into
-    # the blob file), ``hash`` (the hash thread's busy time), ``hash_tail`` (what the hash
-    # added after the last byte), ``fsync``; ``mode`` is ``pipe`` or ``socket``.
+    # Where the host's side of the capture went, in seconds: ``call`` (the kernel's capture
+    # call, sent to answered), within it ``to_kernel``/``from_kernel`` (the call's way to
+    # the kernel's capture and the answer's way back), ``connect`` (until the kernel's
+    # stream was open), ``receive`` (the stream into the blob file), ``hash`` (the hash
+    # thread's busy time), ``hash_tail`` (what the hash added after the last byte),
+    # ``fsync``; after the call ``commit`` (the blob store's);
+    # ``mode`` is ``pipe`` or ``socket``.
     host_timings: dict[str, float | str] = {}
+    # The kernel's side, in seconds: ``total`` (the capture call inside the kernel) and
+    # its phases (``classify``, ``group``, ``pickle_and_write``, ``workspace``, ...).
+    kernel_timings: dict[str, float] = {}
 
 
 class SnapshotList(BaseModel):

@@ -385,6 +385,7 @@ class Continuity:
         # sandbox; the socket, the hash and the disk are on worker threads.
         target = self.blobs.prepare(snapshot_id)
         spans: dict[str, object] = {}
+        called_at = time.time()
         try:
             (size, sha256), answers = await transfer.alongside(
                 transfer.pull(kernel.sandbox.session_dir, name, target, limit, timeout, spans),
@@ -392,9 +393,12 @@ class Continuity:
                     calls.capture_stream(name), calls.RESULT, timeout=timeout, background=quiet
                 ),
             )
+            answered_at = time.time()
             result = calls.result(answers)
+            spans.update(calls.call_spans(result, called_at, answered_at))
             # In the bucket before its row; a hibernation wakes from the kept capture.
             await self.blobs.commit(snapshot_id, cache=kind == "snapshot")
+            spans["commit"] = round(time.time() - answered_at, 6)
         except BaseException:
             self.blobs.remove(snapshot_id)
             if keep_as is not None:
@@ -587,4 +591,5 @@ def _snapshot_info(s: StoredSnapshot) -> SnapshotInfo:
         saved=list(m.get("saved", [])),
         skipped=dict(m.get("skipped", {})),
         host_timings=dict(m.get("host", {})),
+        kernel_timings=calls.kernel_timings(m.get("kernel")),
     )

@@ -74,3 +74,30 @@ def result(answers: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise KernelError("the kernel's snapshot result is not a JSON object")
     return value
+
+
+def call_spans(result: dict[str, Any], called_at: float, answered_at: float) -> dict[str, float]:
+    """``call``: the capture call, sent to answered; ``to_kernel``: from the call to the kernel starting the capture; ``from_kernel``:
+    from its end to the answer here (the execute's messaging and the kernel's own
+    handling of it). Wall clock: the sandbox shares the host's. An old image: none."""
+    started, ended = result.get("started_at"), result.get("ended_at")
+    spans = {"call": round(answered_at - called_at, 6)}
+    if not isinstance(started, (int, float)) or not isinstance(ended, (int, float)):
+        return spans
+    return {
+        **spans,
+        "to_kernel": round(started - called_at, 6),
+        "from_kernel": round(answered_at - ended, 6),
+    }
+
+
+def kernel_timings(kernel: object) -> dict[str, float]:
+    """The kernel's reported phases (an old image's or a broken report: whatever is a number)."""
+    if not isinstance(kernel, dict):
+        return {}
+    laps = kernel.get("timings")
+    laps = laps if isinstance(laps, dict) else {}
+    out = {str(k): round(float(v), 6) for k, v in laps.items() if isinstance(v, (int, float))}
+    if isinstance(kernel.get("duration"), (int, float)):
+        out["total"] = round(float(kernel["duration"]), 6)
+    return out

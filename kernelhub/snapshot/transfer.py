@@ -236,6 +236,10 @@ def receive(
                 raise SandboxError(
                     f"the kernel's snapshot stream broke off after {progress.size} bytes"
                 )
+            # Every byte is in the file (splice copied it out of the pipe), so the kernel
+            # may let go of its buffers now, while the hash's tail runs here: its reply to
+            # the capture call overlaps that, instead of waiting for it.
+            sock.sendall(VERDICT_OK)
         else:
             progress.put(head)
             pipe_r, pipe_w = os.pipe()
@@ -247,8 +251,6 @@ def receive(
         t_received = time.monotonic()
         digest = progress.finish()
         t_hashed = time.monotonic()
-        if mode == "pipe":
-            sock.sendall(VERDICT_OK)  # the kernel may let go of its buffers now
     except BaseException:
         hasher.close()
         os.close(fd)
@@ -437,7 +439,10 @@ def pull(
     deadline = time.monotonic() + timeout
 
     def run(stop: threading.Event) -> tuple[int, str]:
+        t0 = time.monotonic()
         sock = connect(session_dir, name, deadline, stop)
+        if spans is not None:
+            spans["connect"] = round(time.monotonic() - t0, 6)
         return receive(sock, target, max_bytes, stop, deadline, spans)
 
     return run

@@ -40,6 +40,13 @@ async def _snapshot_and_restore(
     back = await run(http, token, r.json()["id"], CHECK)
     assert stdout(back) == f"{digest}\n[1, 2, 3]\n", back
     timings: dict[str, object] = snap["host_timings"]
+    kernel: dict[str, float] = snap["kernel_timings"]
+    # The answer says where the call went: the kernel's phases inside the host's call.
+    assert {"total", "classify", "group", "pickle_and_write", "manifest"} <= set(kernel), snap
+    call, total = float(timings["call"]), kernel["total"]  # type: ignore[arg-type]
+    assert 0 < total < call, snap
+    for span in ("to_kernel", "from_kernel", "connect", "commit"):
+        assert 0 <= float(timings[span]) < call, (span, snap)  # type: ignore[arg-type]
     return timings
 
 

@@ -191,11 +191,15 @@ def _run(operation: Callable[[Any, Any], dict[str, Any]]) -> dict[str, Any]:
     session = _session_for(shell)
     session.tracker.mark_own_execute()
     started = time.perf_counter()
+    # Wall clock (the host's too: one kernel clock), so the host can tell the time its
+    # call took to reach this line, and the reply to come back, from the work itself.
+    started_at = time.time()
     session.tracker.settle()  # cells analyzed now, not while they ran (restore: harmless)
     with _gc_paused(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = operation(shell, session)
     result["duration"] = time.perf_counter() - started
+    result["started_at"], result["ended_at"] = started_at, time.time()
     _RESULT = result
     return result
 

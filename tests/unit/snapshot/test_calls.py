@@ -68,3 +68,21 @@ def test_a_call_that_succeeds_is_left_alone(helper: types.ModuleType) -> None:
     assert seen == [("/tmp/.kernelhub/snap-2", None)]
     with pytest.raises(ValueError, match="alphanumeric"):
         calls.capture("../x")
+
+
+def test_call_spans_split_the_call_around_the_kernels_own_clock() -> None:
+    result = {"started_at": 100.004, "ended_at": 100.020}
+    spans = calls.call_spans(result, called_at=100.0, answered_at=100.023)
+    assert spans == pytest.approx({"call": 0.023, "to_kernel": 0.004, "from_kernel": 0.003})
+
+
+def test_call_spans_of_an_old_image_are_only_the_call() -> None:
+    assert calls.call_spans({"duration": 0.01}, 5.0, 5.5) == {"call": 0.5}
+    assert calls.call_spans({"started_at": "x", "ended_at": 1}, 5.0, 5.5) == {"call": 0.5}
+
+
+def test_kernel_timings_keep_the_numbers_and_the_total() -> None:
+    report = {"duration": 0.0151, "timings": {"classify": 0.0002, "group": 0.0007, "bad": "x"}}
+    assert calls.kernel_timings(report) == {"classify": 0.0002, "group": 0.0007, "total": 0.0151}
+    assert calls.kernel_timings({"duration": None, "timings": ["not", "a", "dict"]}) == {}
+    assert calls.kernel_timings(None) == {}
