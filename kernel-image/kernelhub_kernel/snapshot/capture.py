@@ -148,7 +148,8 @@ class _Capture:
             "rebuild": rebuild,
             "workspace": workspace,
         }
-        manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        # Compact: with ``indent`` json uses its pure-Python encoder, ~0.3 ms a checkpoint.
+        manifest_bytes = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
         self.written_bytes += len(manifest_bytes)
         if self.stream is not None:
             self.stream.add_parts(MANIFEST, [memoryview(manifest_bytes)])

@@ -125,10 +125,7 @@ class _Reacher:
         self._atoms: set[type] = set(_ATOMIC_TYPES)
         self._kinds: dict[type, int] = {}
         self._namespaces = {id(shell.user_ns), id(builtins.__dict__), id(sys.modules)}
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if isinstance(namespace, dict):
-                self._namespaces.add(id(namespace))
+        self._namespaces.update(_module_namespaces())
         self._barriers = set(self._namespaces) | {id(()), id(shell)}
         kernel = getattr(shell, "kernel", None)
         if kernel is not None:
@@ -238,6 +235,28 @@ class _Reacher:
         if self._internal.reason(t) is not None:
             return _K_SKIP
         return _K_PLAIN
+
+
+# The ids of the loaded modules' namespaces, and the dicts themselves: held, so that no
+# id here can be reused by another object while it is cached. Walking sys.modules (~900
+# modules with numpy and pandas) cost 0.5 ms of each ~3 ms checkpoint (a _Reacher now
+# takes 0.05 ms); it is walked again only when the number of modules changed. A module replaced in place (same count)
+# leaves its old namespace a barrier and its new one a plain dict until then: that only
+# makes sharing through the new module's dict group more together, never less.
+_MODULE_NAMESPACES: tuple[int, dict[int, dict[str, Any]]] = (-1, {})
+
+
+def _module_namespaces() -> dict[int, dict[str, Any]]:
+    global _MODULE_NAMESPACES
+    count = len(sys.modules)
+    if _MODULE_NAMESPACES[0] != count:
+        found: dict[int, dict[str, Any]] = {}
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if isinstance(namespace, dict):
+                found[id(namespace)] = namespace
+        _MODULE_NAMESPACES = (count, found)
+    return _MODULE_NAMESPACES[1]
 
 
 def _value_types() -> tuple[type, ...]:

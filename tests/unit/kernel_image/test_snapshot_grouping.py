@@ -189,3 +189,23 @@ def test_files_are_written_whole(tmp_path: Path) -> None:
     parts = [memoryview(pickle.dumps(1)), memoryview(b"tail")]
     common._write_parts(str(tmp_path / "g.pkl"), parts)
     assert (tmp_path / "g.pkl").read_bytes() == pickle.dumps(1) + b"tail"
+
+
+def test_a_module_loaded_after_a_capture_is_a_barrier_at_the_next(reacher: Any) -> None:
+    # The module namespaces are cached between captures (walking sys.modules was a fixed
+    # cost of each checkpoint): a module imported since must still be a barrier.
+    import sys
+
+    grouping._Reacher(types.SimpleNamespace(user_ns={}), grouping._Refs())  # fills it
+    module = types.ModuleType("kernelhub_test_late_module")
+    module.shared = [1, 2]  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        fresh = grouping._Reacher(types.SimpleNamespace(user_ns={}), grouping._Refs())
+        found = fresh.reach({"ns": module.__dict__})
+        assert found.namespace
+        assert id(module.shared) not in found.ids  # type: ignore[attr-defined]
+    finally:
+        del sys.modules[module.__name__]
+    again = grouping._Reacher(types.SimpleNamespace(user_ns={}), grouping._Refs())
+    assert not again.reach({"ns": module.__dict__}).namespace  # gone: a plain dict again
