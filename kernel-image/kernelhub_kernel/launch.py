@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kernelhub_kernel import bounds, cell_log, packages, patches, spool
+from kernelhub_kernel import bounds, cell_log, outstream, packages, patches, spool
 
 FLUSH_INTERVAL_ENV = "KERNELHUB_FLUSH_INTERVAL"
 
@@ -66,7 +66,7 @@ def flush_interval_from(environ: Mapping[str, str]) -> float:
     """KERNELHUB_FLUSH_INTERVAL in seconds; exits with a message naming it if invalid."""
     raw = environ.get(FLUSH_INTERVAL_ENV)
     if raw is None:
-        return patches.DEFAULT_FLUSH_INTERVAL
+        return outstream.DEFAULT_FLUSH_INTERVAL
     try:
         value = float(raw)
     except ValueError:
@@ -93,9 +93,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Imported after the environment is settled: IPython reads some of it at import.
     skip_debugger()
     from ipykernel.kernelapp import IPKernelApp
-    from traitlets.config import Config
-
     from jupyter_client.session import Session
+    from traitlets.config import Config
 
     bounds.bound_messages(Session)
     cell_spool = spool.spool_from(os.environ)
@@ -113,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     app = IPKernelApp.instance(config=config)
     app.initialize(None if argv is None else list(argv))
     drop_debug_records(app)
-    streams = [s for s in (sys.stdout, sys.stderr) if isinstance(s, patches.SandboxOutStream)]
+    streams = [s for s in (sys.stdout, sys.stderr) if isinstance(s, outstream.SandboxOutStream)]
     patches.deliver_fd_output_in_its_cell(app.shell, streams)
     patches.stop_output_history(app.shell)
     patches.warm_tracebacks(app.shell)

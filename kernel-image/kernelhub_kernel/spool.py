@@ -127,7 +127,7 @@ class Spool:
         # Put together by hand: json.dumps with options builds an encoder per call, which
         # was most of the spool's CPU per cell. The msg_id alone goes through the default
         # (cached) encoder; the rest is ASCII made here.
-        line = '{"cell":%s,"code_sha256":"%s","t":%r}\n' % (json.dumps(cell), digest, time.time())
+        line = f'{{"cell":{json.dumps(cell)},"code_sha256":"{digest}","t":{time.time()!r}}}\n'
         self._write_data(line.encode(), force=True)
         busy = self._busy.pop(cell, None)
         if busy is not None:
