@@ -442,6 +442,8 @@ async def main(out_path: Path | None, only: str | None = None, unsliced: bool = 
         loop_cpu_dir = Path(tmp) / "loopcpu"
         loop_cpu_dir.mkdir()
         env[LOOP_CPU_ENV] = str(loop_cpu_dir)
+        # loop_cpu wraps asyncio.Handle._run, which uvloop's callbacks never pass through.
+        env["KERNELHUB_GATEWAY__EVENT_LOOP"] = "asyncio"
         here = str(Path(__file__).resolve().parent)
         env["PYTHONPATH"] = os.pathsep.join([str(shim), here, os.environ.get("PYTHONPATH", "")])
         gw = await Gateway.launch(Path(tmp), instance=instance, env=env)

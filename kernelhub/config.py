@@ -238,6 +238,17 @@ class GatewaySettings(BaseModel):
         description="seconds a request body may go without a byte arriving while the "
         "gateway waits for it",
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="the gateway's event loop: uvloop (libuv; less CPU per cell on every "
+        "socket and timer), asyncio (the standard library's), or auto: uvloop when it is "
+        "installed",
+    )
+    http_parser: Literal["httptools", "h11"] = Field(
+        "httptools",
+        description="how the gateway parses HTTP/1.1: httptools (llhttp, in C) or h11 (pure "
+        "Python, slower); both with the same connection limit and head/body timeouts",
+    )
     revocation_check_interval: float = Field(
         2.0, gt=0, description="seconds between checks that open streams' tokens are still valid"
     )

@@ -15,7 +15,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,11 +177,45 @@ def serve(
         )
         for line in choice.lines():
             print(line, flush=True)
+        print(server_line(settings), flush=True)
         settings = settings.model_copy(update={"backend": choice.backend})
         if choice.backend == "docker":
             ensure_image(settings, build=build)
         factory = app_factory or (lambda s, lock: create_app(s, data_dir_lock=lock))
-        return asyncio.run(run_gateway(settings, sock, lambda s: factory(s, lock), tls=tls))
+        return run_on_gateway_loop(
+            settings, run_gateway(settings, sock, lambda s: factory(s, lock), tls=tls)
+        )
+
+
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop ``KERNELHUB_GATEWAY__EVENT_LOOP`` asks for: uvloop's (``auto``: when it
+    is installed), or None for the standard library's."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError as exc:
+        if choice == "auto":
+            return None
+        raise ConfigError(
+            "KERNELHUB_GATEWAY__EVENT_LOOP=uvloop but uvloop is not installed; "
+            "`pip install uvloop`, or set KERNELHUB_GATEWAY__EVENT_LOOP=auto"
+        ) from exc
+    return uvloop.new_event_loop
+
+
+def server_line(settings: Settings) -> str:
+    """What serves the gateway's sockets, for ``serve``'s start-up lines."""
+    loop = "asyncio" if loop_factory(settings.gateway.event_loop) is None else "uvloop"
+    return f"event loop: {loop}; HTTP parser: {settings.gateway.http_parser}"
+
+
+def run_on_gateway_loop(settings: Settings, main: Coroutine[Any, Any, int]) -> int:
+    """``asyncio.run(main)`` on the gateway's event loop (see :func:`loop_factory`)."""
+    # asyncio.Runner, not uvloop.run: the same shutdown (cancel tasks, shut down async
+    # generators and the default executor) on either loop.
+    with asyncio.Runner(loop_factory=loop_factory(settings.gateway.event_loop)) as runner:
+        return runner.run(main)
 
 
 def ensure_image(settings: Settings, *, build: bool) -> None:
@@ -252,7 +286,9 @@ def uvicorn_config(settings: Settings, app: Any, tls: dict[str, Any] | None = No
         ws_max_size=4 * 2**20,
         ws_per_message_deflate=gateway.ws_compression,
         ws=websocket_protocol(gateway.stream_stall_timeout, gateway.stream_buffer_bytes),
-        http=http_protocol(connections, gateway.header_timeout, gateway.body_timeout),
+        http=http_protocol(
+            connections, gateway.header_timeout, gateway.body_timeout, gateway.http_parser
+        ),
         limit_concurrency=connections,
         **(tls or {}),
     )

@@ -477,7 +477,7 @@ def create_replica_app(settings: Settings) -> ReplicaApp:
 
 def serve_replica(settings: Settings) -> int:
     """``kernelhub gateway``: serve the replica on ``gateway.host:gateway.port``."""
-    from kernelhub.cli.serve import listen_socket, run_gateway
+    from kernelhub.cli.serve import listen_socket, run_gateway, run_on_gateway_loop, server_line
 
     if settings.store.url is None:
         raise ConfigError(
@@ -489,9 +489,11 @@ def serve_replica(settings: Settings) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request
 
     async def announce() -> None:
+        print(server_line(settings))
         print(f"kernelhub gateway replica on http://{gw.host}:{gw.port}", flush=True)
 
     with listen_socket(gw.host, gw.port) as sock:
-        return asyncio.run(
-            run_gateway(settings, sock, lambda s: create_replica_app(s), announce=announce)
+        return run_on_gateway_loop(
+            settings,
+            run_gateway(settings, sock, lambda s: create_replica_app(s), announce=announce),
         )

@@ -26,7 +26,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tests.conftest import UNIT, eventually
+from tests.conftest import RUN_INSTANCE, UNIT, eventually
 from tests.gateway.conftest import Gateway, gateway_run_dir, remove_sandboxes
 
 pytestmark = pytest.mark.docker
@@ -40,9 +40,8 @@ METRICS_TOKEN = "kh_metrics-token-for-tests"
 ALLOWED = "https://app.example.com"
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    env = {
+def env_of_limits() -> dict[str, str]:
+    return {
         "KERNELHUB_GATEWAY__MAX_STREAMS_PER_SESSION": str(PER_SESSION),
         "KERNELHUB_GATEWAY__MAX_STREAMS_PER_PRINCIPAL": str(PER_PRINCIPAL),
         "KERNELHUB_GATEWAY__STREAM_STALL_TIMEOUT": "3",
@@ -54,11 +53,44 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "KERNELHUB_GATEWAY__ALLOWED_ORIGINS": json.dumps([ALLOWED]),
         "KERNELHUB_GATEWAY__METRICS_TOKEN": METRICS_TOKEN,
     }
-    gateway = Gateway(tmp_path_factory.mktemp("conns") / "data", gateway_run_dir(), **env)
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gateway = Gateway(
+        tmp_path_factory.mktemp("conns") / "data", gateway_run_dir(), **env_of_limits()
+    )
     gateway.start()
+    # The defaults: every test here but those on `guarded` runs on uvloop and httptools.
+    assert "event loop: uvloop; HTTP parser: httptools" in gateway.log.read_text()
     yield gateway
     gateway.stop()
     remove_sandboxes()
+
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def guarded(
+    request: pytest.FixtureRequest, gw: Gateway, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    """The module's gateway (httptools), then one with the same limits on h11 (and
+    asyncio's loop): the guards hold on either parser."""
+    if request.param == "httptools":
+        yield gw
+        return
+    instance = f"{RUN_INSTANCE}-h11"
+    gateway = Gateway(
+        tmp_path_factory.mktemp("conns-h11") / "data",
+        gateway_run_dir(),
+        **env_of_limits(),
+        KERNELHUB_GATEWAY__HTTP_PARSER="h11",
+        KERNELHUB_GATEWAY__EVENT_LOOP="asyncio",
+        KERNELHUB_GATEWAY__INSTANCE=instance,
+    )
+    gateway.start()
+    assert "event loop: asyncio; HTTP parser: h11" in gateway.log.read_text()
+    yield gateway
+    gateway.stop()
+    remove_sandboxes(instance)
 
 
 @pytest.fixture(scope="module")
@@ -347,7 +379,9 @@ async def test_non_reading_clients_behind_a_flood_read_no_pages_from_the_store(
         await http.delete(f"/v1/sessions/{sid}")
 
 
-def test_slowloris_heads_and_bodies_are_timed_out(gw: Gateway, alice: str) -> None:
+def test_slowloris_heads_and_bodies_are_timed_out(guarded: Gateway) -> None:
+    gw = guarded
+    alice = gw.token("slowloris")  # a token of its own, on either gateway
     half_heads = []
     for _ in range(60):
         s = raw_socket(gw)
@@ -373,7 +407,8 @@ def test_slowloris_heads_and_bodies_are_timed_out(gw: Gateway, alice: str) -> No
     assert httpx.get(f"{gw.url}/healthz").status_code == 200
 
 
-def test_connections_past_the_limit_are_refused_with_503(gw: Gateway) -> None:
+def test_connections_past_the_limit_are_refused_with_503(guarded: Gateway) -> None:
+    gw = guarded
     sockets = [raw_socket(gw) for _ in range(MAX_CONNECTIONS + 10)]
     try:
         # The refused ones are answered at once; the held ones only at the header timeout.
