@@ -205,7 +205,7 @@ class SessionTable(dict[str, LiveSession]):
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("SessionTable is written through [id] = live, del and pop only")
 
-    update = setdefault = popitem = clear = __ior__ = _refuse  # type: ignore[assignment]
+    update = setdefault = popitem = clear = __ior__ = _refuse
 
 
 def in_flight_bytes(sessions: Mapping[str, LiveSession], owner: str) -> int:
