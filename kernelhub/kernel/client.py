@@ -59,6 +59,30 @@ _SNDMORE = int(zmq.SNDMORE)
 _SOCKET_TYPES = {"shell": zmq.DEALER, "control": zmq.DEALER, "stdin": zmq.DEALER, "iopub": zmq.SUB}
 
 
+_context: tuple[int, zmq.Context[zmq.Socket[bytes]]] | None = None
+
+
+def _shared_context() -> zmq.Context[zmq.Socket[bytes]]:
+    """The process's one zmq context for kernel sockets, made on first use (and anew in
+    a forked child: a context does not survive fork).
+
+    One context, so one libzmq I/O thread for every kernel, not one each (as
+    jupyter_client's clients had): with 50 busy sessions, 50 I/O threads each woke per
+    message on 2 cores, and the scheduler's switches between them cost the gateway CPU
+    on every cell. One thread moves each turn's messages of many kernels in one wake-up.
+    Its queues stay per socket (RCVHWM), so one flooding kernel cannot hold back another's
+    messages beyond its own two."""
+    global _context
+    pid = os.getpid()
+    if _context is None or _context[0] != pid:
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # libzmq's default is 1023 sockets a context, and a kernel takes ten (four
+        # channels, three disconnect monitors of two each): 100 sessions would hit it.
+        context.set(zmq.MAX_SOCKETS, int(context.get(zmq.SOCKET_LIMIT)))
+        _context = (pid, context)
+    return _context[1]
+
+
 class _Readiness:
     """Wakes a waiter when a zmq socket has a message, through its descriptor.
 
@@ -214,8 +238,7 @@ class KernelClient:
         self.codec = Codec(key, max_message_bytes=MAX_MESSAGE_BYTES)
         self.sockets: dict[str, zmq.Socket[bytes]] = {}
         self.receivers: dict[str, Receiver] = {}
-        # Each client owns its context (as jupyter_client's did): one I/O thread per kernel.
-        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.context = _shared_context()
         try:
             for channel in _SOCKET_TYPES:
                 self.sockets[channel] = self._socket(channel)
@@ -300,7 +323,6 @@ class KernelClient:
             sock.close(linger=0)
         self.receivers = {}
         self.sockets = {}
-        self.context.destroy(linger=0)
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)

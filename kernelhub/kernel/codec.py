@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
@@ -126,7 +127,9 @@ class Codec:
             names = {"msg_type": msg_type, "username": self.username, "session": self.session}
             parts = (_pack(names)[1:-1], _pack({"version": PROTOCOL_VERSION})[1:-1])
             self._header_parts[msg_type] = parts
-        msg_id = uuid.uuid4().hex
+        # 128 random bits as hex, like uuid4().hex without building a UUID (a third of
+        # uuid4's cost per request was UUID.__init__).
+        msg_id = os.urandom(16).hex()
         date = datetime.now(UTC).isoformat()
         return msg_id, b'{"msg_id": "%s", %s, "date": "%s", %s}' % (
             msg_id.encode(),

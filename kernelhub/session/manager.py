@@ -39,7 +39,14 @@ from kernelhub.models import ExecutionStatus
 from kernelhub.sandbox.base import SandboxBackend, SandboxSpec
 from kernelhub.session.admission import admit, alive
 from kernelhub.session.continuity import Continuity
-from kernelhub.session.live import LiveSession, execution_info, held, in_flight_bytes, session_info
+from kernelhub.session.live import (
+    LiveSession,
+    SessionTable,
+    execution_info,
+    held,
+    in_flight_bytes,
+    session_info,
+)
 from kernelhub.session.operations import Operations
 from kernelhub.session.pool import PoolKind, WarmPools, pool_kinds
 from kernelhub.session.recorder import Observer, Recorder
@@ -79,7 +86,7 @@ class SessionManager:
         self.recorder = Recorder(
             store, self.observer, coalesce_window=settings.gateway.coalesce_window
         )
-        self.sessions: dict[str, LiveSession] = {}
+        self.sessions: dict[str, LiveSession] = SessionTable()
         self.blobs = blob_store(settings)  # ConfigError: no cluster key for the bucket
         self.storage = StorageGuard(
             settings.storage, store.ledger, settings.data_dir,

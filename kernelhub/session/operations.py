@@ -11,8 +11,8 @@ methods as its own.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -120,7 +120,7 @@ class Operations:
                 retry_after=2,
             )
         return StoredExecution(
-            id=uuid.uuid4().hex,
+            id=os.urandom(16).hex(),  # uuid4().hex without building a UUID
             session_id=live.id,
             owner=principal.name,
             code=body.code,

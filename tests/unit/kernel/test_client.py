@@ -159,3 +159,33 @@ async def test_close_releases_the_descriptors(tmp_path: Path) -> None:
     for fd in fds.values():
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+async def test_clients_share_one_context_past_the_default_socket_limit(tmp_path: Path) -> None:
+    """Every client uses the process's one zmq context (one I/O thread for all kernels),
+    which holds more than libzmq's default 1023 sockets, and closing a client closes its
+    sockets only: the others keep working."""
+    kernel = FakeKernel(tmp_path)
+    clients: list[KernelClient] = []
+    try:
+        # 4 sockets a client: 260 clients are 1040 sockets in one context.
+        for _ in range(260):
+            clients.append(KernelClient(kernel.fds(), KEY))
+        assert len({id(c.context) for c in clients}) == 1
+        for c in clients[:-1]:
+            c.close()
+        last = clients[-1]
+        msg_id = last.execute("1+1")
+        peer, request = await asyncio.to_thread(kernel.request, "shell")
+        assert request["header"]["msg_id"] == msg_id
+        kernel.send("shell", peer, kernel.reply_frames(request, status="ok"))
+        got = await asyncio.wait_for(last.receivers["shell"].recv(), 10 * UNIT)
+        assert got["parent_header"]["msg_id"] == msg_id
+        # A client made after others closed still gets the same, working context.
+        again = KernelClient(kernel.fds(), KEY)
+        clients.append(again)
+        assert again.context is last.context
+    finally:
+        for c in clients:
+            c.close()
+        kernel.close()

@@ -211,3 +211,45 @@ async def test_a_dead_kernel_shows_recovering_while_recovery_would_revive_it(
         live.revives = _recovery(store, tmp_path, NoRoomBackend(), settings).will_revive
         assert (live.checkpoints, live.state) == ([], state), (limit, recover)
     await live.fanout.close()
+
+
+def test_session_table_sums_an_owners_reservations_through_its_index() -> None:
+    """The reservation the storage guard checks on every cell: summed over the owner's
+    sessions only (the table's index), equal to a scan of every session, through every
+    way the table is written."""
+    from types import SimpleNamespace
+
+    from kernelhub.session.live import SessionTable, in_flight_bytes
+
+    def live(owner: str, queued: int, running: bool, cap: int) -> Any:
+        kernel = StandInKernel(running=running)
+        kernel.queue_length = queued
+        return SimpleNamespace(
+            stored=SimpleNamespace(owner=owner),
+            kernel=kernel,
+            limits=SimpleNamespace(output_bytes=cap),
+        )
+
+    table = SessionTable()
+    plain: dict[str, Any] = {}
+    rows = {
+        "a1": live("ada", 2, True, 10),  # 3 cells
+        "a2": live("ada", 0, False, 10),  # idle: nothing reserved
+        "b1": live("bob", 1, False, 7),
+        "a3": live("ada", 0, True, 5),
+    }
+    for sid, row in rows.items():
+        table[sid] = plain[sid] = row
+    assert in_flight_bytes(table, "ada") == in_flight_bytes(plain, "ada") == 35
+    assert in_flight_bytes(table, "bob") == 7 and in_flight_bytes(table, "eve") == 0
+    # Replaced under the same id (a recovery's new LiveSession): counted once.
+    table["a1"] = live("ada", 0, True, 10)
+    assert in_flight_bytes(table, "ada") == 15
+    del table["a3"]
+    assert table.pop("b1") is rows["b1"] and table.pop("b1", None) is None
+    assert in_flight_bytes(table, "ada") == 10 and in_flight_bytes(table, "bob") == 0
+    assert set(table.by_owner) == {"ada"} and set(table) == {"a1", "a2"}
+    with pytest.raises(TypeError):
+        table.update(plain)
+    with pytest.raises(KeyError):
+        del table["gone"]
