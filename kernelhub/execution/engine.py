@@ -174,6 +174,16 @@ class KernelSession:
         return len(self._worker.queue)
 
     @property
+    def user_cells(self) -> int:
+        """User cells running or queued, background calls (the automatic checkpoint) and
+        exclusive operations left out: what the storage guard reserves output caps for."""
+        running = self.running
+        queued = sum(
+            isinstance(h, ExecutionHandle) and not h.background for h in self._worker.queue
+        )
+        return queued + (running is not None and not running.background)
+
+    @property
     def user_busy(self) -> bool:
         """Whether anything but a background call (the automatic checkpoint) runs or
         waits: what makes a session read busy."""

@@ -217,8 +217,9 @@ def in_flight_bytes(sessions: Mapping[str, LiveSession], owner: str) -> int:
     for live in sessions.values():
         kernel = live.kernel
         if kernel is not None and live.stored.owner == owner:
-            cells = kernel.queue_length + (kernel.running is not None)
-            total += cells * live.limits.output_bytes
+            # A checkpoint after a cell stores no output: counted, it kept the next
+            # cell of a principal near its quota waiting on a 507 for its duration.
+            total += kernel.user_cells * live.limits.output_bytes
     return total
 
 

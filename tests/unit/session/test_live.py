@@ -30,6 +30,7 @@ class StandInKernel:
         self.running = object() if running else None
         self.user_busy = running
         self.queue_length = 0
+        self.user_cells = int(running)
 
 
 class Waker:
@@ -224,6 +225,7 @@ def test_session_table_sums_an_owners_reservations_through_its_index() -> None:
     def live(owner: str, queued: int, running: bool, cap: int) -> Any:
         kernel = StandInKernel(running=running)
         kernel.queue_length = queued
+        kernel.user_cells = queued + running
         return SimpleNamespace(
             stored=SimpleNamespace(owner=owner),
             kernel=kernel,
