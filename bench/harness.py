@@ -140,9 +140,15 @@ class Suite:
     def _remove_containers(self, prefix: str) -> None:
         """Containers whose instance label starts with ``prefix``: found by label, never
         by name."""
-        for c in self.docker.containers.list(all=True, filters={"label": f"{LABEL_MANAGED}=true"}):
-            if c.labels.get(LABEL_INSTANCE, "").startswith(prefix):
-                c.remove(force=True)
+        # sparse: a full listing inspects every managed container on the machine, and one
+        # another run removed meanwhile raised NotFound and ended this run's teardown.
+        listed = self.docker.containers.list(
+            all=True, sparse=True, filters={"label": f"{LABEL_MANAGED}=true"}
+        )
+        for c in listed:
+            if (c.attrs.get("Labels") or {}).get(LABEL_INSTANCE, "").startswith(prefix):
+                with contextlib.suppress(docker.errors.NotFound):
+                    c.remove(force=True)
 
     def _sweep(self) -> None:
         """Whatever is left of this run."""
