@@ -159,6 +159,19 @@ class _Guards:
     cycle: Any
     flow: Any
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        crowded = len(self.connections) >= self.max_connections
+        super().connection_made(transport)  # type: ignore[misc]  # the parser's protocol
+        self._admit(crowded)
+
+    def _parse(self, data: bytes) -> bool:
+        """Feed ``data`` to the parser unless the connection is no longer ours; whether it
+        still is afterwards (the timers then follow the parser's state)."""
+        if self._detached:
+            return False
+        super().data_received(data)  # type: ignore[misc]
+        return not (self._detached or self.transport.is_closing())
+
     def _admit(self, crowded: bool) -> None:
         """After uvicorn's ``connection_made``: refuse if ``crowded``, else arm the head timer."""
         if crowded:
@@ -240,16 +253,8 @@ class GuardedH11Protocol(_Guards, H11Protocol):
     """uvicorn's h11 protocol with the :class:`_Guards` rules (class attributes; make a
     configured subclass with :func:`http_protocol`)."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        crowded = len(self.connections) >= self.max_connections
-        super().connection_made(transport)
-        self._admit(crowded)
-
     def data_received(self, data: bytes) -> None:
-        if self._detached:
-            return
-        super().data_received(data)
-        if self._detached or self.transport.is_closing():
+        if not self._parse(data):
             return
         self._arm(self._awaiting_head(), self._awaiting_body())
 
@@ -289,16 +294,8 @@ class GuardedHttpToolsProtocol(_Guards, HttpToolsProtocol):
     _in_body = False
     _head_bytes = 0  # of an unfinished head, as h11 counts them
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        crowded = len(self.connections) >= self.max_connections
-        super().connection_made(transport)
-        self._admit(crowded)
-
     def data_received(self, data: bytes) -> None:
-        if self._detached:
-            return
-        super().data_received(data)
-        if self._detached or self.transport.is_closing():
+        if not self._parse(data):
             return
         if self._in_head:
             self._head_bytes += len(data)
