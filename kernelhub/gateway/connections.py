@@ -164,6 +164,15 @@ class _Guards:
         super().connection_made(transport)  # type: ignore[misc]  # the parser's protocol
         self._admit(crowded)
 
+    def on_response_complete(self) -> None:
+        # Idle between requests is uvicorn's keep-alive timeout; a head starts a new timer.
+        self._disarm()
+        super().on_response_complete()  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
     def _parse(self, data: bytes) -> bool:
         """Feed ``data`` to the parser unless the connection is no longer ours; whether it
         still is afterwards (the timers then follow the parser's state)."""
@@ -269,15 +278,6 @@ class GuardedH11Protocol(_Guards, H11Protocol):
         self._disarm()
         super().handle_websocket_upgrade(event)
 
-    def on_response_complete(self) -> None:
-        # Idle between requests is uvicorn's keep-alive timeout; a head starts a new timer.
-        self._disarm()
-        super().on_response_complete()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
 
 class GuardedHttpToolsProtocol(_Guards, HttpToolsProtocol):
     """uvicorn's httptools (llhttp) protocol with the :class:`_Guards` rules, and h11's
@@ -330,15 +330,6 @@ class GuardedHttpToolsProtocol(_Guards, HttpToolsProtocol):
         self._detached = True
         self._disarm()
         super().handle_websocket_upgrade()
-
-    def on_response_complete(self) -> None:
-        # Idle between requests is uvicorn's keep-alive timeout; a head starts a new timer.
-        self._disarm()
-        super().on_response_complete()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
 
 
 def http_protocol(
