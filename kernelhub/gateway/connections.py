@@ -173,13 +173,19 @@ class _Guards:
         self._disarm()
         super().connection_lost(exc)  # type: ignore[misc]
 
-    def _parse(self, data: bytes) -> bool:
-        """Feed ``data`` to the parser unless the connection is no longer ours; whether it
-        still is afterwards (the timers then follow the parser's state)."""
+    def data_received(self, data: bytes) -> None:
+        """Feed ``data`` to the parser unless the connection is no longer ours; while it
+        still is, the timers follow the parser's state."""
         if self._detached:
-            return False
+            return
         super().data_received(data)  # type: ignore[misc]
-        return not (self._detached or self.transport.is_closing())
+        if self._detached or self.transport.is_closing() or self._refused_head(len(data)):
+            return
+        self._arm()
+
+    def _refused_head(self, received: int) -> bool:
+        """Whether the parser's own limits turned the head down (h11 enforces its own)."""
+        return False
 
     def _admit(self, crowded: bool) -> None:
         """After uvicorn's ``connection_made``: refuse if ``crowded``, else arm the head timer."""
@@ -199,15 +205,15 @@ class _Guards:
             return
         self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
 
-    def _arm(self, awaiting_head: bool, awaiting_body: bool) -> None:
+    def _arm(self) -> None:
         """After bytes arrived and the parser took them: what the connection now waits for."""
-        if awaiting_head:
+        if self._awaiting_head():
             if self._head_timer is None:  # the first bytes of a kept-alive connection's next head
                 self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
             return
         self._cancel("_head_timer")
         self._cancel("_body_timer")
-        if awaiting_body:
+        if self._awaiting_body():
             self._body_timer = self.loop.call_later(self.body_timeout, self._body_timed_out)
 
     def _disarm(self) -> None:
@@ -262,11 +268,6 @@ class GuardedH11Protocol(_Guards, H11Protocol):
     """uvicorn's h11 protocol with the :class:`_Guards` rules (class attributes; make a
     configured subclass with :func:`http_protocol`)."""
 
-    def data_received(self, data: bytes) -> None:
-        if not self._parse(data):
-            return
-        self._arm(self._awaiting_head(), self._awaiting_body())
-
     def _awaiting_head(self) -> bool:
         return self.conn.their_state is h11.IDLE
 
@@ -294,16 +295,15 @@ class GuardedHttpToolsProtocol(_Guards, HttpToolsProtocol):
     _in_body = False
     _head_bytes = 0  # of an unfinished head, as h11 counts them
 
-    def data_received(self, data: bytes) -> None:
-        if not self._parse(data):
-            return
-        if self._in_head:
-            self._head_bytes += len(data)
-            if self._head_bytes > self.max_head_bytes:  # h11 refuses so, with these words
-                self.logger.warning("Invalid HTTP request received.")
-                self.send_400_response("Invalid HTTP request received.")
-                return
-        self._arm(self._awaiting_head(), self._in_body)
+    def _refused_head(self, received: int) -> bool:
+        if not self._in_head:
+            return False
+        self._head_bytes += received
+        if self._head_bytes <= self.max_head_bytes:
+            return False
+        self.logger.warning("Invalid HTTP request received.")  # h11 refuses so, with these words
+        self.send_400_response("Invalid HTTP request received.")
+        return True
 
     def _awaiting_head(self) -> bool:
         cycle = self.cycle
