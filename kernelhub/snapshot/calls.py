@@ -77,9 +77,10 @@ def result(answers: dict[str, Any]) -> dict[str, Any]:
 
 
 def call_spans(result: dict[str, Any], called_at: float, answered_at: float) -> dict[str, float]:
-    """``call``: the capture call, sent to answered; ``to_kernel``: from the call to the kernel starting the capture; ``from_kernel``:
-    from its end to the answer here (the execute's messaging and the kernel's own
-    handling of it). Wall clock: the sandbox shares the host's. An old image: none."""
+    """``call``: the capture call, sent to answered; ``to_kernel``: from the call to the
+    kernel starting the capture; ``from_kernel``: from its end to the answer here (the
+    execute's messaging and the kernel's own handling of it). Wall clock: the sandbox
+    shares the host's. An old image reports no start and end: ``call`` alone."""
     started, ended = result.get("started_at"), result.get("ended_at")
     spans = {"call": round(answered_at - called_at, 6)}
     if not isinstance(started, (int, float)) or not isinstance(ended, (int, float)):

@@ -240,9 +240,10 @@ class _Reacher:
 # The ids of the loaded modules' namespaces, and the dicts themselves: held, so that no
 # id here can be reused by another object while it is cached. Walking sys.modules (~900
 # modules with numpy and pandas) cost 0.5 ms of each ~3 ms checkpoint (a _Reacher now
-# takes 0.05 ms); it is walked again only when the number of modules changed. A module replaced in place (same count)
-# leaves its old namespace a barrier and its new one a plain dict until then: that only
-# makes sharing through the new module's dict group more together, never less.
+# takes 0.05 ms); it is walked again only when the number of modules changed. A module
+# replaced in place (same count) leaves its old namespace a barrier and its new one a
+# plain dict until then: that only makes sharing through the new module's dict group
+# more together, never less.
 _MODULE_NAMESPACES: tuple[int, dict[int, dict[str, Any]]] = (-1, {})
 
 
