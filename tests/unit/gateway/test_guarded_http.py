@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-import uvicorn
 import uvloop
 from websockets.asyncio.client import connect
 
@@ -25,6 +23,7 @@ from kernelhub.gateway.connections import (
     GuardedHttpToolsProtocol,
     http_protocol,
 )
+from tests.unit.gateway.uvicorn_rig import serving
 
 HEADER_TIMEOUT = 0.3
 BODY_TIMEOUT = 0.3
@@ -66,24 +65,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": answer})
 
 
-@contextlib.asynccontextmanager
-async def served(parser: str) -> AsyncIterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def served(parser: str) -> contextlib.AbstractAsyncContextManager[int]:
     protocol = http_protocol(MAX_CONNECTIONS, HEADER_TIMEOUT, BODY_TIMEOUT, parser)
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, http=protocol, lifespan="off", log_level="warning"
-    )
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        yield port
-    finally:
-        server.should_exit = True
-        await serving
+    return serving(app, http=protocol)
 
 
 def on_loop(loop: str, body: Callable[[], Awaitable[None]]) -> None:

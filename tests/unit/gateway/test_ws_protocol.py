@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 from websockets.asyncio.client import connect
 
 from kernelhub.gateway.ws_protocol import (
@@ -22,6 +20,7 @@ from kernelhub.gateway.ws_protocol import (
     _TurnBufferedTransport,
 )
 from tests.conftest import eventually
+from tests.unit.gateway.uvicorn_rig import serving
 
 
 class _CountingTransport:
@@ -134,29 +133,9 @@ async def test_buffered_bytes_count_toward_the_write_buffer() -> None:
     peer.close()
 
 
-@contextlib.asynccontextmanager
-async def _server(app: Any) -> AsyncIterator[int]:
+def _server(app: Any) -> contextlib.AbstractAsyncContextManager[int]:
     """uvicorn with our protocol serving ``app`` on a loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        ws=TurnBufferedWebSocketProtocol,
-        lifespan="off",
-        log_level="warning",
-    )
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        yield port
-    finally:
-        server.should_exit = True
-        await serving
+    return serving(app, ws=TurnBufferedWebSocketProtocol)
 
 
 async def test_send_text_now_writes_frames_in_order_on_a_real_server() -> None:
