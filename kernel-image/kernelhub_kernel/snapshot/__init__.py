@@ -114,7 +114,7 @@ from .analysis import CellUsage, _globals_used_by, analyze_cell  # noqa: F401 (A
 from .capture import _Capture
 from .common import _gc_paused
 from .restore import _Restore, read_stream
-from .session import _session_for, _shell
+from .session import _session_for, _shell, end_own_call  # noqa: F401 (API)
 from .stream import TarReader, TarWriter, accept, take_pipe
 from .workspace import workspace_root  # noqa: F401 (API)
 
