@@ -50,29 +50,33 @@ def _directory(name: object) -> str:
     return os.path.join(os.environ.get("KERNELHUB_SNAPSHOTS", "/tmp/.kernelhub"), name)
 
 
-def _capture(name: str, base: str | None = None) -> dict[str, Any]:
+def _snapshot(function: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``kernelhub_kernel.snapshot.<function>``. Each marks the next execute's hooks as
+    its own (the one that carried it, before); no execute carried this one."""
     from kernelhub_kernel import snapshot
 
-    return snapshot.capture(_directory(name), base=None if base is None else _directory(base))
+    try:
+        result: dict[str, Any] = getattr(snapshot, function)(*args, **kwargs)
+        return result
+    finally:
+        snapshot.end_own_call()
+
+
+def _capture(name: str, base: str | None = None) -> dict[str, Any]:
+    return _snapshot("capture", _directory(name), base=None if base is None else _directory(base))
 
 
 def _restore(name: str, execution_count: int | None = None) -> dict[str, Any]:
-    from kernelhub_kernel import snapshot
-
     count = None if execution_count is None else int(execution_count)
-    return snapshot.restore(_directory(name), execution_count=count)
+    return _snapshot("restore", _directory(name), execution_count=count)
 
 
 def _capture_stream(name: str) -> dict[str, Any]:
-    from kernelhub_kernel import snapshot
-
-    return snapshot.capture_stream(_check_socket(name))
+    return _snapshot("capture_stream", _check_socket(name))
 
 
 def _restore_stream(name: str) -> dict[str, Any]:
-    from kernelhub_kernel import snapshot
-
-    return snapshot.restore_stream(_check_socket(name))
+    return _snapshot("restore_stream", _check_socket(name))
 
 
 def _check_socket(name: object) -> str:
@@ -106,10 +110,7 @@ def answer(content: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"unknown kernelhub call {op!r}; known: {', '.join(OPERATIONS)}")
         if not isinstance(args, Mapping):
             raise TypeError(f"kernelhub call {op!r}: args must be an object, got {args!r}")
-        try:
-            result = operation(**args)
-        finally:
-            _end_own_call()
+        result = operation(**args)
         if not content.get("result", True):
             return {"status": "ok", "result": {}}
         json.dumps(result)  # what cannot travel fails here, as an error reply
@@ -123,13 +124,6 @@ def answer(content: Mapping[str, Any]) -> dict[str, Any]:
             "evalue": str(exc),
             "traceback": traceback.format_exception(exc, limit=-4),
         }
-
-
-def _end_own_call() -> None:
-    # A capture marks the next execute's hooks as its own; no execute carried this one.
-    from kernelhub_kernel import snapshot
-
-    snapshot.end_own_call()
 
 
 def install(kernel: Any, environ: Mapping[str, str]) -> bool:
