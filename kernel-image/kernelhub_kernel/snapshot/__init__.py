@@ -6,8 +6,10 @@ opaque blob it moves and stores. Loading a snapshot runs whatever code its pickl
 with exactly the rights the sandbox's user code already has; the sha256 sums in the
 manifest detect corruption, not tampering (whoever made the blob also wrote the sums).
 
-The calling contract (the host, through a *silent* execute: no execution count is taken,
-no ``post_run_cell`` hook runs, and ``user_expressions`` are evaluated after the code)::
+The calling contract: the host sends a ``kernelhub_call_request`` naming the operation
+(``kernelhub_kernel.calls``: no ``run_cell`` at all). Under an image or a kernel without
+it, through a *silent* execute (no execution count is taken, no ``post_run_cell`` hook
+runs, and ``user_expressions`` are evaluated after the code)::
 
     code = ("__import__('kernelhub_kernel.snapshot', fromlist=['capture'])"
             ".capture('/tmp/.kernelhub/snap-2', base='/tmp/.kernelhub/snap-1')")
