@@ -12,6 +12,7 @@ Environment read here:
 * ``IPYTHONDIR`` is kept if set, otherwise pointed at a private temp directory.
 * ``KERNELHUB_SNAPSHOTS``, ``KERNELHUB_SPOOL_BYTES``: where and how much of the running
   cell's messages ``spool`` keeps for a gateway that restarts mid-cell.
+* ``KERNELHUB_KERNEL_CALLS=0``: no ``kernelhub_call_request`` (see ``calls``).
 """
 
 import logging
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kernelhub_kernel import bounds, cell_log, outstream, packages, patches, spool
+from kernelhub_kernel import bounds, calls, cell_log, outstream, packages, patches, spool
 
 FLUSH_INTERVAL_ENV = "KERNELHUB_FLUSH_INTERVAL"
 
@@ -120,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cell_log.install(app.shell)
     # IPython's own %pip runs `python -m pip`, which the image does not have.
     app.shell.register_magic_function(packages.pip_magic, "line", "pip")
+    calls.install(app.kernel, os.environ)
     app.start()
 
 

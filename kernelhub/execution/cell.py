@@ -14,6 +14,7 @@ from typing import NamedTuple
 from kernelhub.errors import KernelDiedError, SessionClosedError
 from kernelhub.execution.handle import ExecutionHandle, now
 from kernelhub.execution.link import KernelLink
+from kernelhub.execution.ops import REQUEST as CALL_REQUEST
 from kernelhub.execution.record import finished_record, reply_outcome
 from kernelhub.execution.router import Active, Emit, MessageRouter
 from kernelhub.execution.timeouts import Escalation, PauseGate, wait_running
@@ -71,7 +72,9 @@ class CellRunner:
         before = self.sandbox.usage()
         handle.started_at = now()
         started = time.monotonic()
-        if handle.internal is not None:
+        if handle.request is not None:
+            msg_id = client.send("shell", CALL_REQUEST, handle.request)
+        elif handle.internal is not None:
             msg_id = client.execute(
                 handle.code, silent=True, store_history=False,
                 user_expressions=handle.internal, allow_stdin=False, stop_on_error=False,
@@ -125,6 +128,7 @@ class CellRunner:
         elif status == ExecutionStatus.KERNEL_DIED and exit_info is not None:
             reason = exit_info.reason
         handle.user_expressions = collector.user_expressions
+        handle.reply = collector.call_reply
         handle.unchanged_since = collector.unchanged_since
         for event in collector.finish():
             self._emit(handle, event)

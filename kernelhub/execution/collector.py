@@ -52,7 +52,9 @@ _STREAM_ENVELOPE_BYTES = 4096
 SANDBOX_CUT_KEY = "kernelhub_truncated"
 # Not output: the protocol's own bookkeeping for the request.
 UNCHANGED_KEY = "kernelhub_unchanged_since"
-_UNCHARGED = frozenset({"status", "execute_input", "execute_reply"})
+# kernelhub's own call's reply (``execution.ops``): an execute_reply, as far as we care.
+CALL_REPLY = "kernelhub_call_reply"
+_UNCHARGED = frozenset({"status", "execute_input", "execute_reply", CALL_REPLY})
 
 
 def default_tail_bytes(limit_bytes: int) -> int:
@@ -103,6 +105,7 @@ class OutputCollector:
         self.execution_count: int | None = None
         self.error: CellError | None = None
         self.user_expressions: dict[str, Any] = {}
+        self.call_reply: dict[str, Any] = {}  # a kernelhub_call_reply's content
         self._truncation_announced = False
         self._finished = False
         self.resets = 0  # kernel connections dropped during the cell (see connection_reset)
@@ -306,7 +309,7 @@ class OutputCollector:
         elif msg_type == "status":
             if content.get("execution_state") == "idle":
                 self.idle_seen = True
-        else:  # execute_reply
+        else:  # execute_reply, kernelhub_call_reply
             self.reply_seen = True
             status = content.get("status")
             self.reply_status = status if isinstance(status, str) else "error"
@@ -319,6 +322,8 @@ class OutputCollector:
             expressions = content.get("user_expressions")
             if isinstance(expressions, Mapping):
                 self.user_expressions = dict(expressions)
+            if msg_type == CALL_REPLY:
+                self.call_reply = dict(content)
 
     def _head_limit(self) -> int:
         # While the cell runs, the tail's share is held back for the end of the output.

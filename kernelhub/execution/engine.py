@@ -467,17 +467,21 @@ class KernelSession:
         *,
         timeout: float | None,
         background: bool = False,
+        request: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Run kernelhub's own ``code`` in the kernel, in turn after the cells queued before
         it, silently (no execution count, no history, no events to listeners), and return
         the kernel's answers for ``expressions`` (Jupyter ``user_expressions``). Raises
         ``KernelError`` if the code failed (with the kernel's traceback). From the worker
         itself (an :meth:`exclusive` operation, the ``after_cell`` hook) it runs at once:
-        the kernel is already ours, and queueing behind ourselves would never return."""
+        the kernel is already ours, and queueing behind ourselves would never return.
+        ``request``: a ``kernelhub_call_request``'s content to send instead of ``code``
+        (see ``ops.run``); the answer is then its reply's content."""
         self._check_open()
         handle = ExecutionHandle(
             uuid.uuid4().hex, code, timeout, internal=dict(expressions), background=background
         )
+        handle.request = request
         if self._worker_task is not None and asyncio.current_task() is self._worker_task:
             await self._run(handle, None)
             return handle.answers(await handle.wait())

@@ -45,6 +45,9 @@ class ExecutionHandle:
         # never reach listeners; ``internal`` holds the user_expressions to evaluate.
         self.internal = internal
         self.user_expressions: dict[str, Any] = {}
+        # Sent as a ``kernelhub_call_request`` instead of ``code`` (``ops``), its reply here.
+        self.request: dict[str, Any] | None = None
+        self.reply: dict[str, Any] = {}
         self.unchanged_since: str | None = None  # see ExecutionCollector.unchanged_since
         self.id = execution_id
         self.code = code
@@ -105,4 +108,4 @@ class ExecutionHandle:
             raise KernelError(
                 f"kernelhub's call in the kernel ended {result.record.status.value}: {detail}"
             )
-        return self.user_expressions
+        return self.reply if self.request is not None else self.user_expressions

@@ -41,6 +41,7 @@ from typing import Any
 
 from kernelhub.config import Settings
 from kernelhub.errors import KernelhubError
+from kernelhub.execution import ops
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
 from kernelhub.models import ExecutionStatus
 from kernelhub.session.live import LiveSession
@@ -158,7 +159,7 @@ class Checkpoints:
         dropped, live.checkpoints = live.checkpoints[:excess], live.checkpoints[excess:]
         for old in unreferenced(dropped, live.checkpoints):
             with contextlib.suppress(KernelhubError):
-                await kernel.call(calls.remove(old), {}, timeout=60, background=True)
+                await ops.run(kernel, calls.remove(old), timeout=60, background=True)
 
     @staticmethod
     def cancel(live: LiveSession) -> None:
@@ -232,7 +233,7 @@ class Checkpoints:
                 keep = live.checkpoints[-1:] if attempt == 0 else []
                 dropped = live.checkpoints[: len(live.checkpoints) - len(keep)]
                 for old in unreferenced(dropped, keep):
-                    await kernel.call(calls.remove(old), {}, timeout=60, background=True)
+                    await ops.run(kernel, calls.remove(old), timeout=60, background=True)
                 live.checkpoints = keep
                 base = keep[-1][1] if keep else None
         live.checkpoints.append((count, name))
@@ -255,12 +256,11 @@ class Checkpoints:
             # No result asked for: formatting the kernel's answer (every group, every
             # name) as JSON and parsing it here took 13 of a checkpoint's 33 ms, for
             # nothing a checkpoint uses; a failed capture still raises.
-            await kernel.call(calls.capture(name, base), {}, timeout=timeout, background=True)
+            await ops.run(kernel, calls.capture(name, base), timeout=timeout, background=True)
         except KernelhubError:
             with contextlib.suppress(KernelhubError):
-                await kernel.call(
-                    calls.remove(name), {}, timeout=60, background=True
-                )  # what it left
+                # what it left
+                await ops.run(kernel, calls.remove(name), timeout=60, background=True)
             if time.monotonic() - t0 >= timeout:
                 live.checkpoint_policy = "off"
                 kernel.notice(

@@ -25,6 +25,7 @@ from typing import Any
 
 from kernelhub.config import Settings
 from kernelhub.errors import KernelError, KernelhubError, NotFoundError, SessionError
+from kernelhub.execution import ops
 from kernelhub.execution.engine import ExecutionHandle, KernelSession
 from kernelhub.sandbox.base import SandboxBackend
 from kernelhub.session.checkpoints import Checkpoints, next_count_after, unreferenced
@@ -120,12 +121,10 @@ class Continuity:
             if usable:
                 after, directory = usable[-1]
                 count = next_count_after(live.checkpoints, after, directory)
-                result = calls.result(
-                    await kernel.call(
-                        calls.restore(directory, count),
-                        calls.RESULT,
-                        timeout=self.settings.gateway.snapshot_timeout,
-                    )
+                result = await ops.run(
+                    kernel,
+                    calls.restore(directory, count),
+                    timeout=self.settings.gateway.snapshot_timeout,
                 )
                 restored = list(result.get("restored", []))
                 failed = {str(k): str(v) for k, v in dict(result.get("failed", {})).items()}
@@ -133,7 +132,7 @@ class Continuity:
             kept = [c for c in live.checkpoints if c[0] < before_cell]
             dropped = [c for c in live.checkpoints if c[0] >= before_cell]
             for d in unreferenced(dropped, kept):  # a kept alias may share a directory
-                await kernel.call(calls.remove(d), {}, timeout=60)
+                await ops.run(kernel, calls.remove(d), timeout=60)
             live.checkpoints = kept
             return RewindReport(
                 before_cell=before_cell,
@@ -373,9 +372,7 @@ class Continuity:
             # Kept in the state directory (incremental from ``base``): the wake restores
             # from it. The blob below is the fallback for when the state directory is gone.
             try:
-                await kernel.call(  # no answer
-                    calls.capture(name, base), {}, timeout=timeout, background=quiet
-                )
+                await ops.run(kernel, calls.capture(name, base), timeout=timeout, background=quiet)
             except KernelhubError:  # a capture cut short may have left part of its files
                 self._spawn(self._remove_capture(kernel, name))
                 raise
@@ -387,14 +384,11 @@ class Continuity:
         spans: dict[str, object] = {}
         called_at = time.time()
         try:
-            (size, sha256), answers = await transfer.alongside(
+            (size, sha256), result = await transfer.alongside(
                 transfer.pull(kernel.sandbox.session_dir, name, target, limit, timeout, spans),
-                kernel.call(
-                    calls.capture_stream(name), calls.RESULT, timeout=timeout, background=quiet
-                ),
+                ops.run(kernel, calls.capture_stream(name), timeout=timeout, background=quiet),
             )
             answered_at = time.time()
-            result = calls.result(answers)
             spans.update(calls.call_spans(result, called_at, answered_at))
             # In the bucket before its row; a hibernation wakes from the kept capture.
             await self.blobs.commit(snapshot_id, cache=kind == "snapshot")
@@ -448,7 +442,7 @@ class Continuity:
         by the capture: a cell queued meanwhile may run for hours, and a hibernation slot
         must not wait for it."""
         with contextlib.suppress(KernelhubError):
-            await kernel.call(calls.remove(name), {}, timeout=60)
+            await ops.run(kernel, calls.remove(name), timeout=60)
 
     async def snapshots(self, principal: Principal) -> list[SnapshotInfo]:
         mine = await self.snapshots_store.list_snapshots(principal.name)
@@ -479,7 +473,7 @@ class Continuity:
         accept = transfer.mac_check(
             snap.sha256, lambda sha: self.blobs.mac(snap.id, snap.owner, sha), snap.mac
         )
-        _, answers = await transfer.alongside(
+        _, result = await transfer.alongside(
             transfer.push(
                 kernel.sandbox.session_dir,
                 name,
@@ -488,9 +482,8 @@ class Continuity:
                 timeout,
                 transfer.algorithm_of(snap.sha256),
             ),
-            kernel.call(calls.restore_stream(name), calls.RESULT, timeout=timeout),
+            ops.run(kernel, calls.restore_stream(name), timeout=timeout),
         )
-        result = calls.result(answers)
         return await self._restore_report(live, snap, result, time.monotonic() - t0)
 
     async def _restore_kept(
@@ -499,12 +492,8 @@ class Continuity:
         """Wake from the hibernation capture still in the state directory: no blob to
         move in."""
         t0 = time.monotonic()
-        result = calls.result(
-            await kernel.call(
-                calls.restore(directory),
-                calls.RESULT,
-                timeout=self.settings.gateway.snapshot_timeout,
-            )
+        result = await ops.run(
+            kernel, calls.restore(directory), timeout=self.settings.gateway.snapshot_timeout
         )
         return await self._restore_report(live, snap, result, time.monotonic() - t0)
 

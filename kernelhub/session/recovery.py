@@ -27,6 +27,7 @@ from typing import Literal
 
 from kernelhub.config import Settings
 from kernelhub.errors import KernelhubError
+from kernelhub.execution import ops
 from kernelhub.execution.engine import KernelSession
 from kernelhub.models import NoticeEvent
 from kernelhub.sandbox.base import SandboxBackend
@@ -241,12 +242,8 @@ class SessionRecovery:
         return kernel
 
     async def _restore(self, kernel: KernelSession, directory: str) -> dict[str, str]:
-        result = calls.result(
-            await kernel.call(
-                calls.restore(directory),
-                calls.RESULT,
-                timeout=self.settings.gateway.snapshot_timeout,
-            )
+        result = await ops.run(
+            kernel, calls.restore(directory), timeout=self.settings.gateway.snapshot_timeout
         )
         return {str(k): str(v) for k, v in dict(result.get("failed", {})).items()}
 

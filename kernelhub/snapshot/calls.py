@@ -1,15 +1,17 @@
-"""The code kernelhub runs in a kernel to capture or restore it (``kernelhub_kernel.snapshot``
-in the image), and the parsing of its answers. Pure: strings in, dicts out."""
+"""The operations kernelhub runs in a kernel to capture or restore it
+(``kernelhub_kernel.snapshot`` in the image), and the parsing of their answers. Pure: each
+builder returns a :class:`~kernelhub.execution.ops.KernelOp`, the operation by name for an
+image that takes ``kernelhub_call_request`` and as source for one that does not; the
+session's ``call_op`` picks."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from kernelhub.errors import KernelError
+from kernelhub.execution.ops import KernelOp
 
 _MODULE = "__import__('kernelhub_kernel.snapshot', fromlist=['capture'])"
-RESULT = {"result": f"{_MODULE}.last_result()"}
+_RESULT = f"{_MODULE}.last_result()"
 _DIR = "__import__('os').path.join(__import__('os').environ.get('KERNELHUB_SNAPSHOTS', '/tmp/.kernelhub'), {name!r})"
 
 
@@ -33,47 +35,40 @@ except BaseException as exc:
 """
 
 
-def capture(name: str, base: str | None = None) -> str:
+def capture(name: str, base: str | None = None, *, result: bool = False) -> KernelOp:
+    """A capture into the directory ``name``, incremental on ``base``; its result only
+    if asked for (a checkpoint wants none, and it is most of the reply)."""
     base_arg = _DIR.format(name=_check(base)) if base else "None"
     call = f"{_MODULE}.capture({_DIR.format(name=_check(name))}, base={base_arg})"
-    return _GUARD.format(call=call)
+    args = {"name": name, "base": base}
+    return KernelOp("capture", args, _GUARD.format(call=call), _RESULT if result else None)
 
 
-def restore(name: str, execution_count: int | None = None) -> str:
+def restore(name: str, execution_count: int | None = None) -> KernelOp:
     """``execution_count``: the next cell's number, when it is not the capture's own (a
     checkpoint shared by cells that changed nothing; only images that report those)."""
     extra = "" if execution_count is None else f", execution_count={int(execution_count)}"
-    return _GUARD.format(call=f"{_MODULE}.restore({_DIR.format(name=_check(name))}{extra})")
+    code = _GUARD.format(call=f"{_MODULE}.restore({_DIR.format(name=_check(name))}{extra})")
+    count = None if execution_count is None else int(execution_count)
+    return KernelOp("restore", {"name": name, "execution_count": count}, code, _RESULT)
 
 
-def capture_stream(name: str) -> str:
+def capture_stream(name: str) -> KernelOp:
     """Capture straight into the socket ``name`` the kernel binds in its socket directory
     (the host reads it with ``transfer.pull``)."""
-    return _GUARD.format(call=f"{_MODULE}.capture_stream({_check(name)!r})")
+    code = _GUARD.format(call=f"{_MODULE}.capture_stream({_check(name)!r})")
+    return KernelOp("capture_stream", {"name": name}, code, _RESULT)
 
 
-def restore_stream(name: str) -> str:
+def restore_stream(name: str) -> KernelOp:
     """Restore from the socket ``name`` (the host writes it with ``transfer.push``)."""
-    return _GUARD.format(call=f"{_MODULE}.restore_stream({_check(name)!r})")
+    code = _GUARD.format(call=f"{_MODULE}.restore_stream({_check(name)!r})")
+    return KernelOp("restore_stream", {"name": name}, code, _RESULT)
 
 
-def remove(name: str) -> str:
-    return f"__import__('shutil').rmtree({_DIR.format(name=_check(name))}, ignore_errors=True)"
-
-
-def result(answers: dict[str, Any]) -> dict[str, Any]:
-    """The capture/restore result from the ``user_expressions`` answers."""
-    answer = answers.get("result")
-    if not isinstance(answer, dict) or answer.get("status") != "ok":
-        detail = answer.get("evalue") if isinstance(answer, dict) else answer
-        raise KernelError(f"the kernel did not report a snapshot result: {detail}")
-    data = answer.get("data", {})
-    value = data.get("application/json")
-    if isinstance(value, str):
-        value = json.loads(value)
-    if not isinstance(value, dict):
-        raise KernelError("the kernel's snapshot result is not a JSON object")
-    return value
+def remove(name: str) -> KernelOp:
+    code = f"__import__('shutil').rmtree({_DIR.format(name=_check(name))}, ignore_errors=True)"
+    return KernelOp("remove", {"name": name}, code)
 
 
 def call_spans(result: dict[str, Any], called_at: float, answered_at: float) -> dict[str, float]:

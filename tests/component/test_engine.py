@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from kernelhub.errors import InvalidRequestError, NotFoundError, SessionError, TooLargeError
+from kernelhub.execution import ops
 from kernelhub.execution.collector import marker
 from kernelhub.malloc import pin_mmap_threshold
 from kernelhub.models import (
@@ -382,7 +383,7 @@ async def test_snapshot_moves_out_as_an_opaque_blob_and_restores_in_a_fresh_sand
 
     a = await open_session()
     await a.execute("import numpy as np\nkept = np.arange(4)\ndef f(x):\n    return x + 1")
-    saved = calls.result(await a.call(calls.capture("snap-t"), calls.RESULT, timeout=60 * UNIT))
+    saved = await ops.run(a, calls.capture("snap-t", result=True), timeout=60 * UNIT)
     assert {"kept", "f"} <= set(saved["saved"])
     blob = b"".join([c async for c in a.sandbox.pack_snapshot("snap-t", 1 << 30)])
     assert blob  # opaque bytes: never opened here
@@ -392,7 +393,7 @@ async def test_snapshot_moves_out_as_an_opaque_blob_and_restores_in_a_fresh_sand
         yield blob
 
     await b.sandbox.unpack_snapshot("restore-t", chunks(), 1 << 30)
-    report = calls.result(await b.call(calls.restore("restore-t"), calls.RESULT, timeout=60 * UNIT))
+    report = await ops.run(b, calls.restore("restore-t"), timeout=60 * UNIT)
     assert report["failed"] == {}
     assert (await b.execute("f(int(kept.sum()))")).text == "7"
     with pytest.raises(InvalidRequestError):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kernelhub.errors import InvalidRequestError, TooLargeError
+from kernelhub.execution import ops
 from kernelhub.execution.engine import KernelSession
 from kernelhub.snapshot import calls, transfer
 from tests.component.conftest import SessionFactory
@@ -22,22 +23,21 @@ TIMEOUT = 60 * UNIT
 
 async def capture(kernel: KernelSession, target: Path, max_bytes: int = 1 << 31) -> dict:
     name = f"snap-{os.urandom(6).hex()}"
-    (size, sha256), answers = await transfer.alongside(
+    (size, sha256), result = await transfer.alongside(
         transfer.pull(kernel.sandbox.session_dir, name, target, max_bytes, TIMEOUT),
-        kernel.call(calls.capture_stream(name), calls.RESULT, timeout=TIMEOUT),
+        ops.run(kernel, calls.capture_stream(name), timeout=TIMEOUT),
     )
-    result = calls.result(answers)
     result["host"] = {"size": size, "sha256": sha256}
     return result
 
 
 async def restore(kernel: KernelSession, source: Path, verdict: bool = True) -> dict:
     name = f"restore-{os.urandom(6).hex()}"
-    _, answers = await transfer.alongside(
+    _, result = await transfer.alongside(
         transfer.push(kernel.sandbox.session_dir, name, source, lambda sha: verdict, TIMEOUT),
-        kernel.call(calls.restore_stream(name), calls.RESULT, timeout=TIMEOUT),
+        ops.run(kernel, calls.restore_stream(name), timeout=TIMEOUT),
     )
-    return calls.result(answers)
+    return result
 
 
 SETUP = (
@@ -119,7 +119,7 @@ async def test_a_blob_packed_from_a_directory_restores_over_the_stream(
     """Blobs stored before streaming (a tar of the snapshot directory) still restore."""
     a = await open_session()
     await a.execute("import numpy as np\nkept = np.arange(5)\ndef g(x):\n    return x * 3")
-    calls.result(await a.call(calls.capture("snap-old"), calls.RESULT, timeout=TIMEOUT))
+    await ops.run(a, calls.capture("snap-old"), timeout=TIMEOUT)
     blob = tmp_path / "old.blob"
     blob.write_bytes(b"".join([c async for c in a.sandbox.pack_snapshot("snap-old", 1 << 30)]))
     b = await open_session()

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kernelhub.config import EngineSettings, Limits, Settings
+from kernelhub.execution import ops
 from kernelhub.execution.engine import KernelSession
 from kernelhub.sandbox.base import SandboxSpec
 from kernelhub.sandbox.docker import DockerBackend
@@ -46,15 +47,14 @@ async def _roundtrip(backend: DockerBackend, session: Session) -> tuple[int, int
         for cell in session.cells:
             result = await a.execute(cell, timeout=120 * UNIT)
             assert result.error is None, (session.name, cell, result.error)
-        answers = await a.call(calls.capture("snap"), calls.RESULT, timeout=300 * UNIT)
-        captured = calls.result(answers)
+        captured = await ops.run(a, calls.capture("snap", result=True), timeout=300 * UNIT)
         blob = b"".join([c async for c in a.sandbox.pack_snapshot("snap", 1 << 31)])
 
         async def chunks() -> AsyncIterator[bytes]:
             yield blob
 
         await b.sandbox.unpack_snapshot("snap", chunks(), 1 << 31)
-        calls.result(await b.call(calls.restore("snap"), calls.RESULT, timeout=300 * UNIT))
+        await ops.run(b, calls.restore("snap"), timeout=300 * UNIT)
         out = await b.execute(CHECK % json.dumps(session.checks), timeout=120 * UNIT)
         results = json.loads(out.stdout.strip().splitlines()[-1])
     finally:

@@ -6,8 +6,10 @@ opaque blob it moves and stores. Loading a snapshot runs whatever code its pickl
 with exactly the rights the sandbox's user code already has; the sha256 sums in the
 manifest detect corruption, not tampering (whoever made the blob also wrote the sums).
 
-The calling contract (the host, through a *silent* execute: no execution count is taken,
-no ``post_run_cell`` hook runs, and ``user_expressions`` are evaluated after the code)::
+The calling contract: the host sends a ``kernelhub_call_request`` naming the operation
+(``kernelhub_kernel.calls``: no ``run_cell`` at all). Under an image or a kernel without
+it, through a *silent* execute (no execution count is taken, no ``post_run_cell`` hook
+runs, and ``user_expressions`` are evaluated after the code)::
 
     code = ("__import__('kernelhub_kernel.snapshot', fromlist=['capture'])"
             ".capture('/tmp/.kernelhub/snap-2', base='/tmp/.kernelhub/snap-1')")
@@ -114,7 +116,7 @@ from .analysis import CellUsage, _globals_used_by, analyze_cell  # noqa: F401 (A
 from .capture import _Capture
 from .common import _gc_paused
 from .restore import _Restore, read_stream
-from .session import _session_for, _shell
+from .session import _session_for, _shell, end_own_call  # noqa: F401 (API)
 from .stream import TarReader, TarWriter, accept, take_pipe
 from .workspace import workspace_root  # noqa: F401 (API)
 

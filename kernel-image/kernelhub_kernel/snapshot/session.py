@@ -66,6 +66,12 @@ def _session_for(shell: Any) -> _Session:
     return _SESSION
 
 
+def end_own_call() -> None:
+    """After a capture or restore that no execute carried (``kernelhub_kernel.calls``)."""
+    if _SESSION is not None:
+        _SESSION.tracker.end_own_execute()
+
+
 def _shell() -> Any:
     from IPython import get_ipython
 
@@ -113,6 +119,11 @@ class _Tracker:
 
     def mark_own_execute(self) -> None:
         self._own = True
+
+    def end_own_execute(self) -> None:
+        """Our call ran without an execute (``kernelhub_kernel.calls``): no
+        ``post_execute`` will clear the mark, and the next execute is not ours."""
+        self._own = False
 
     def reset(self) -> None:
         self.names = set()

@@ -36,8 +36,8 @@ def test_an_alias_restores_the_count_of_the_cell_after_it() -> None:
 
 
 def test_restore_passes_the_count_only_when_asked() -> None:
-    assert "execution_count" not in calls.restore("ckpt-1-a")  # what old images accept
-    assert "execution_count=4)" in calls.restore("ckpt-1-a", 4)
+    assert "execution_count" not in calls.restore("ckpt-1-a").code  # what old images accept
+    assert "execution_count=4)" in calls.restore("ckpt-1-a", 4).code
 
 
 def test_the_collector_reads_the_hint_from_the_reply_metadata() -> None:

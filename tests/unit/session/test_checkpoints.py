@@ -31,6 +31,7 @@ class StandInKernel:
         self.running: Any = None
         self.queue_length = 0
         self.calls: list[str] = []
+        self.kernel_info: dict[str, Any] = {}  # an image without kernelhub_calls: code
 
     async def exclusive(self, operation: Callable[[], Awaitable[Any]]) -> Any:
         return await operation()

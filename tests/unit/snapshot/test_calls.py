@@ -52,11 +52,11 @@ def test_a_failure_deep_in_the_helper_reaches_ipython_shallow(
 ) -> None:
     helper.capture = lambda path, base: _deep(50, ValueError("bad group"))
     helper.restore = lambda path: _deep(50, KeyboardInterrupt())
-    failed = run_cell(calls.capture("snap-1", base="snap-0"))
+    failed = run_cell(calls.capture("snap-1", base="snap-0").code)
     assert isinstance(failed, RuntimeError) and failed.__suppress_context__
     assert cell_frames(failed) == ["<cell>"]  # nothing for IPython to highlight
     assert "ValueError: bad group" in str(failed) and "_deep" in str(failed)  # kept as text
-    interrupted = run_cell(calls.restore("snap-1"))
+    interrupted = run_cell(calls.restore("snap-1").code)
     assert type(interrupted) is KeyboardInterrupt and interrupted.__suppress_context__
     assert cell_frames(interrupted) == ["<cell>"]
 
@@ -64,7 +64,7 @@ def test_a_failure_deep_in_the_helper_reaches_ipython_shallow(
 def test_a_call_that_succeeds_is_left_alone(helper: types.ModuleType) -> None:
     seen: list[tuple[str, str | None]] = []
     helper.capture = lambda path, base: seen.append((path, base))
-    exec(compile(calls.capture("snap-2"), "<cell>", "exec"), {})
+    exec(compile(calls.capture("snap-2").code, "<cell>", "exec"), {})
     assert seen == [("/tmp/.kernelhub/snap-2", None)]
     with pytest.raises(ValueError, match="alphanumeric"):
         calls.capture("../x")
