@@ -28,7 +28,6 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -217,4 +216,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import ssl
-import sys
 import tempfile
 import time
 import uuid
@@ -178,4 +177,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

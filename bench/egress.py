@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,7 +47,7 @@ HOST = "api.good.test"
 SECRET_HOST = "secret.good.test"
 
 
-def _serve_proxy(directory: str, settings_json: str, ready: multiprocessing.Event) -> None:  # type: ignore[type-arg]
+def _serve_proxy(directory: str, settings_json: str, ready: Event) -> None:
     settings = EgressSettings.model_validate_json(settings_json)
 
     async def main() -> None:
@@ -126,7 +127,7 @@ def measure(n: int) -> dict[str, dict[str, float]]:
                     "bench": EgressPolicy(
                         allow=[HOST, SECRET_HOST],
                         quota_bytes=None,
-                        headers={SECRET_HOST: {"X-Api-Key": "bench"}},  # type: ignore[dict-item]
+                        headers={SECRET_HOST: {"X-Api-Key": "bench"}},
                     )
                 },
                 hosts={HOST: f"127.0.0.1:{port}", SECRET_HOST: f"127.0.0.1:{port}"},

@@ -112,7 +112,7 @@ class ContainedFloor:
         config, sdir = bare.stock_kernel_config()
         container = await asyncio.to_thread(bare.client.containers.run, **config)
         kc = AsyncKernelClient()
-        kc.load_connection_info(sdir.host_connection_info())
+        kc.load_connection_info(sdir.host_connection_info())  # type: ignore[arg-type]
         while not sdir.sockets_present():
             await asyncio.sleep(0.01)
         kc.start_channels()

@@ -35,7 +35,7 @@ RECORDS = 200_000
 
 
 async def one(store: SqliteStore, seq: int, logdir: Path) -> tuple[float, list[float]]:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     url = f"inproc://relay-gc-{seq}"
     pull.bind(url)

@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from kernelhub import jsonslices
@@ -58,6 +59,10 @@ def cpu(fn: Callable[[], object]) -> float:
     return time.thread_time() - t0
 
 
+def _frame_whole(body: str) -> bytes:
+    return _event_frame(body).encode()
+
+
 def measure(data: Any) -> dict[str, float]:
     event = DisplayEvent(execution_id="e", seq=1, data=data)
     raw = json.dumps({"data": data}, ensure_ascii=False).encode()
@@ -69,8 +74,8 @@ def measure(data: Any) -> dict[str, float]:
         body, one["dumps_step"], one["dumps_total"] = steps(
             jsonslices.dumps(plain(event), event.model_dump_json)
         )
-        one["frame_whole"] = cpu(lambda b=body: _event_frame(b).encode())
-        one["frame_pieces"] = cpu(lambda b=body: event_frame_parts(b))
+        one["frame_whole"] = cpu(partial(_frame_whole, body))
+        one["frame_pieces"] = cpu(partial(event_frame_parts, body))
         for key, value in one.items():
             got.setdefault(key, []).append(value)
     return {key: statistics.median(v) for key, v in got.items()} | {"bytes": len(raw)}

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import re
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -112,4 +111,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -28,7 +28,7 @@ class ZmqFloor:
 
     def __init__(self, km: AsyncKernelManager) -> None:
         self.km = km
-        info: dict[str, Any] = km.get_connection_info()
+        info = km.get_connection_info()
         key = info["key"]
         self.key = key.encode() if isinstance(key, str) else key
         self.ctx = zmq.asyncio.Context()
