@@ -42,12 +42,18 @@ VERSION = 1
 ENABLE_ENV = "KERNELHUB_KERNEL_CALLS"
 
 
+def _checked(name: object, what: str) -> str:
+    """A name the host sent, never a path: alphanumeric with dashes."""
+    if not isinstance(name, str) or not name.replace("-", "").isalnum():
+        raise ValueError(f"{what} name {name!r} must be alphanumeric with dashes")
+    return name
+
+
 def _directory(name: object) -> str:
     """A snapshot directory by name, under ``KERNELHUB_SNAPSHOTS``: the host names them, it
     never sends a path."""
-    if not isinstance(name, str) or not name.replace("-", "").isalnum():
-        raise ValueError(f"snapshot directory name {name!r} must be alphanumeric with dashes")
-    return os.path.join(os.environ.get("KERNELHUB_SNAPSHOTS", "/tmp/.kernelhub"), name)
+    directory = _checked(name, "snapshot directory")
+    return os.path.join(os.environ.get("KERNELHUB_SNAPSHOTS", "/tmp/.kernelhub"), directory)
 
 
 def _snapshot(function: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -72,17 +78,11 @@ def _restore(name: str, execution_count: int | None = None) -> dict[str, Any]:
 
 
 def _capture_stream(name: str) -> dict[str, Any]:
-    return _snapshot("capture_stream", _check_socket(name))
+    return _snapshot("capture_stream", _checked(name, "socket"))
 
 
 def _restore_stream(name: str) -> dict[str, Any]:
-    return _snapshot("restore_stream", _check_socket(name))
-
-
-def _check_socket(name: object) -> str:
-    if not isinstance(name, str) or not name.replace("-", "").isalnum():
-        raise ValueError(f"socket name {name!r} must be alphanumeric with dashes")
-    return name
+    return _snapshot("restore_stream", _checked(name, "socket"))
 
 
 def _remove(name: str) -> dict[str, Any]:

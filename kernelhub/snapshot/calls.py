@@ -1,8 +1,8 @@
 """The operations kernelhub runs in a kernel to capture or restore it
-(``kernelhub_kernel.snapshot`` in the image), and the parsing of their answers. Pure: each
-builder returns a :class:`~kernelhub.execution.ops.KernelOp`, the operation by name for an
-image that takes ``kernelhub_call_request`` and as source for one that does not; the
-session's ``call_op`` picks."""
+(``kernelhub_kernel.snapshot`` in the image). Pure: each builder returns a
+:class:`~kernelhub.execution.ops.KernelOp`, the operation by name for an image that takes
+``kernelhub_call_request`` and as source for one that does not; ``ops.run`` picks, and
+reads the answer."""
 
 from __future__ import annotations
 
